@@ -1,0 +1,146 @@
+"""The attention protocol, the KV cache, and the one registry of variants.
+
+A variant receives q, k, v after projection and RoPE, plus the layer's input
+hidden states (routing input for Focus), and returns an ``AttnOut``. The base
+class owns the dispatch every variant shares: appending to the KV cache,
+building query/key positions, and choosing the dense reference or the fast
+path. Variants implement ``reference`` (always) and ``fast`` (when they have
+one); the caller never chooses a kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch import Tensor, nn
+
+
+@dataclass
+class AttnOut:
+    output: Tensor  # [B, Hq, T, D]
+    aux_loss: Tensor | None = None  # scalar added to the LM loss (already weighted)
+    stats: dict[str, Tensor] = field(default_factory=dict)  # detached scalars, logged as attn/<variant>/<name>
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """Shapes a variant needs to build its parameters."""
+
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    max_seq_len: int
+    layer_idx: int
+    n_layers: int
+
+
+@dataclass(frozen=True)
+class SuiteCase:
+    """One configuration of a variant that the shared attention test suite covers.
+
+    ``causal=False`` marks a paper-faithful form that is known to leak the future:
+    the suite then asserts that it does leak, rather than skipping it.
+    """
+
+    name: str
+    options: dict[str, Any] = field(default_factory=dict)
+    causal: bool = True
+
+
+class KVCache:
+    """One layer's keys and values for positions [0, length), preallocated to ``max_len``.
+
+    ``extra`` is per-variant state that must live with the cache (Focus group
+    memberships, DGA aggregated groups, ...).
+    """
+
+    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, *, dtype: torch.dtype, device: torch.device | str):
+        shape = (batch, n_kv_heads, max_len, head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0
+        self.extra: dict[str, Any] = {}
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        t = k.shape[2]
+        if self.length + t > self.max_len:
+            raise ValueError(f"KV cache full: {self.length} + {t} tokens exceeds its max_len {self.max_len}")
+        self.k[:, :, self.length : self.length + t] = k
+        self.v[:, :, self.length : self.length + t] = v
+        self.length += t
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+
+class Attention(nn.Module):
+    """Base of every variant. Subclasses set ``name``/``config_cls`` via ``register_attention``."""
+
+    name: ClassVar[str] = ""
+    config_cls: ClassVar[type] = object
+
+    def __init__(self, cfg: Any, spec: LayerSpec):
+        super().__init__()
+        self.cfg = cfg
+        self.spec = spec
+        self.impl = "auto"  # "auto" | "reference"; tests and debugging force the reference
+        self.collect_stats = False  # set by the trainer on logging steps; stats can cost extra work
+
+    @classmethod
+    def suite_cases(cls) -> list[SuiteCase]:
+        return [SuiteCase("default")]
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, positions: Tensor, cache: KVCache | None = None) -> AttnOut:
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute positions of the T tokens."""
+        if cache is not None:
+            k, v = cache.append(k, v)
+            k_pos = torch.arange(cache.length, device=q.device)
+        else:
+            k_pos = positions
+        kwargs = dict(hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)
+        if self.impl != "reference" and self.has_fast_path(q, cache):
+            return self.fast(q, k, v, **kwargs)
+        return self.reference(q, k, v, **kwargs)
+
+    # ---- what a variant implements --------------------------------------------------
+    def reference(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+        """Dense path materialising T x T scores: slow, obviously correct, any device and dtype."""
+        raise NotImplementedError
+
+    def fast(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+        return self.reference(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
+        """Whether ``fast`` is exact and supported for this device, dtype and call."""
+        return False
+
+
+@dataclass(frozen=True)
+class RegistryEntry:
+    cls: type[Attention]
+    config_cls: type
+
+
+registry: dict[str, RegistryEntry] = {}
+
+
+def register_attention(name: str, config_cls: type) -> Callable[[type[Attention]], type[Attention]]:
+    """Class decorator: ``@register_attention("focus", FocusConfig)``."""
+
+    def wrap(cls: type[Attention]) -> type[Attention]:
+        if name in registry and registry[name].cls is not cls:
+            raise ValueError(f"attention variant {name!r} registered twice")
+        cls.name = name
+        cls.config_cls = config_cls
+        registry[name] = RegistryEntry(cls, config_cls)
+        return cls
+
+    return wrap
+
+
+def build_attention(kind: str, cfg: Any, spec: LayerSpec, impl: str = "auto") -> Attention:
+    module = registry[kind].cls(cfg, spec)
+    module.impl = impl
+    return module

@@ -1,0 +1,237 @@
+"""Model configuration, presets, and analytic counts (parameters, FLOPs, memory).
+
+Presets are partial dicts: a run config names one with ``model.preset`` and any
+field it also sets wins over the preset, so ``--set model.n_layers=2`` shrinks
+a preset without copying it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from model.errors import ConfigError
+
+FAMILIES = ("gpt2", "llama")
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding settings (``model.rope.*``). Scaling types arrive with the long-context work."""
+
+    theta: float = 10000.0
+    scaling: str = "none"
+    factor: float = 1.0
+    original_max_seq_len: int = 0  # 0 = model.max_seq_len
+
+    def validate(self) -> None:
+        if self.theta <= 0:
+            raise ConfigError(f"model.rope.theta: must be > 0, got {self.theta}")
+        from model.rope import SCALING_TYPES  # local import: rope imports this module
+
+        if self.scaling not in SCALING_TYPES:
+            raise ConfigError(f"model.rope.scaling: {self.scaling!r} is not one of {', '.join(SCALING_TYPES)}")
+        if self.factor < 1.0:
+            raise ConfigError(f"model.rope.factor: must be >= 1, got {self.factor}")
+
+
+@dataclass
+class AttentionConfig:
+    """``model.attention.*``: which variant, and each variant's own typed options.
+
+    ``options`` maps a registered variant name to its config dataclass; in TOML
+    those appear as ``[model.attention.<kind>]`` tables. It is filled from the
+    registry, so a new variant needs no edit here.
+    """
+
+    kind: str = "full"
+    # auto: the variant picks its fastest exact path for the device; reference: the dense T x T path
+    impl: str = "auto"
+    options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
+
+    def __post_init__(self) -> None:
+        from model.attention import registry
+
+        for name, entry in registry.items():
+            self.options.setdefault(name, entry.config_cls())
+
+    def config_sections(self) -> dict[str, Any]:
+        return self.options
+
+    @property
+    def variant(self) -> Any:
+        """The active variant's config dataclass."""
+        return self.options[self.kind]
+
+    def validate(self) -> None:
+        from model.attention import registry
+
+        if self.kind not in registry:
+            raise ConfigError(f"model.attention.kind: {self.kind!r} is not one of {', '.join(sorted(registry))}")
+        if self.impl not in ("auto", "reference"):
+            raise ConfigError(f"model.attention.impl: {self.impl!r} is not one of auto, reference")
+        validate = getattr(self.variant, "validate", None)
+        if validate is not None:
+            validate()
+
+
+@dataclass
+class ModelConfig:
+    family: str = "llama"
+    vocab_size: int = 32000
+    max_seq_len: int = 2048
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int = 0  # 0 = n_heads (no GQA)
+    d_ff: int = 0  # 0 = the family's rule (4d for gpt2, 2/3*4d rounded up to 256 for llama)
+    norm_eps: float = 1e-5
+    qk_norm: bool = False
+    tie_embeddings: bool = False
+    bias: bool = False
+    dropout: float = 0.0
+    init_std: float = 0.02
+    preset: str = ""
+    rope: RopeConfig = field(default_factory=RopeConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+
+    # ---- derived -----------------------------------------------------------------
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def ffn_dim(self) -> int:
+        if self.d_ff:
+            return self.d_ff
+        if self.family == "gpt2":
+            return 4 * self.d_model
+        hidden = int(2 * 4 * self.d_model / 3)
+        return 256 * math.ceil(hidden / 256)
+
+    @property
+    def uses_rope(self) -> bool:
+        return self.family == "llama"
+
+    def validate(self) -> None:
+        if self.family not in FAMILIES:
+            raise ConfigError(f"model.family: {self.family!r} is not one of {', '.join(FAMILIES)}")
+        for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+        if self.d_model % self.n_heads:
+            divisors = [h for h in range(1, min(self.d_model, 128) + 1) if self.d_model % h == 0]
+            raise ConfigError(
+                f"model.n_heads: {self.n_heads} does not divide model.d_model={self.d_model}; "
+                f"allowed values include {', '.join(map(str, divisors[-8:]))}"
+            )
+        if self.n_kv_heads < 0 or self.n_heads % self.kv_heads:
+            raise ConfigError(
+                f"model.n_kv_heads: {self.n_kv_heads} must divide model.n_heads={self.n_heads} (0 = same as n_heads)"
+            )
+        if self.uses_rope and self.head_dim % 2:
+            raise ConfigError(f"model.n_heads: RoPE needs an even head dimension, got {self.head_dim}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
+        if self.d_ff < 0:
+            raise ConfigError(f"model.d_ff: must be >= 0 (0 = family default), got {self.d_ff}")
+        self.rope.validate()
+        self.attention.validate()
+
+
+# ---- presets ------------------------------------------------------------------------
+
+_GPT2 = dict(family="gpt2", vocab_size=50257, max_seq_len=1024, tie_embeddings=True, bias=True)
+_LLAMA = dict(family="llama", vocab_size=32000, max_seq_len=2048, tie_embeddings=False, bias=False)
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # CPU demo and tests: trains to well below unigram entropy in minutes on 2 cores.
+    "tiny": dict(_LLAMA, vocab_size=4096, max_seq_len=256, d_model=256, n_layers=4, n_heads=4, d_ff=688),
+    "gpt2-124m": dict(_GPT2, d_model=768, n_layers=12, n_heads=12),
+    "gpt2-350m": dict(_GPT2, d_model=1024, n_layers=24, n_heads=16),
+    "gpt2-774m": dict(_GPT2, d_model=1280, n_layers=36, n_heads=20),
+    "gpt2-1.5b": dict(_GPT2, d_model=1600, n_layers=48, n_heads=25),
+    "llama-124m": dict(_LLAMA, d_model=768, n_layers=12, n_heads=12, d_ff=2048),
+    "llama-350m": dict(_LLAMA, d_model=1024, n_layers=24, n_heads=16, d_ff=2816),
+    "llama-760m": dict(_LLAMA, d_model=1536, n_layers=24, n_heads=16, d_ff=4096),
+    "llama-1.3b": dict(_LLAMA, d_model=2048, n_layers=24, n_heads=16, d_ff=5504),
+    "llama-2.7b": dict(_LLAMA, d_model=2560, n_layers=32, n_heads=20, d_ff=6912),
+    "llama-7b": dict(_LLAMA, d_model=4096, n_layers=32, n_heads=32, d_ff=11008),
+}
+
+
+def preset_dict(name: str) -> dict[str, Any]:
+    if name not in PRESETS:
+        raise ConfigError(f"model.preset: {name!r} is not one of {', '.join(PRESETS)}")
+    return dict(PRESETS[name], preset=name)
+
+
+# ---- analytic counts ------------------------------------------------------------------
+
+
+def count_parameters(cfg: ModelConfig) -> dict[str, int]:
+    """Total and non-embedding parameters, counted on the meta device (no memory).
+
+    Non-embedding excludes the token and learned position embeddings (Kaplan et al.);
+    an untied LM head is counted, since it costs matmul FLOPs.
+    """
+    import torch
+
+    from model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    total = sum(p.numel() for p in model.parameters())
+    embedding = model.tok_emb.weight.numel()
+    if model.pos_emb is not None:
+        embedding += model.pos_emb.weight.numel()
+    return {"parameters": total, "non_embedding_parameters": total - embedding}
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, float]:
+    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B).
+
+    Attention counts QK^T and AV for every query against every key of a length-T
+    context, 12 * L * d_attn * T per token for forward+backward (no causal discount,
+    matching how MFU is conventionally reported).
+    """
+    seq_len = seq_len or cfg.max_seq_len
+    d, L = cfg.d_model, cfg.n_layers
+    attn_dim = cfg.n_heads * cfg.head_dim
+    kv_dim = cfg.kv_heads * cfg.head_dim
+    per_layer = d * attn_dim + 2 * d * kv_dim + attn_dim * d  # q, k, v, o
+    per_layer += (3 if cfg.family == "llama" else 2) * d * cfg.ffn_dim
+    matmul_params = L * per_layer + d * cfg.vocab_size  # LM head always a matmul (tied or not)
+    dense = 6 * matmul_params
+    attention = 12 * L * attn_dim * seq_len
+    return {"flops_per_token": float(dense + attention), "attention_flops_per_token": float(attention)}
+
+
+def memory_estimate(cfg: ModelConfig, *, seq_len: int | None = None, micro_batch: int = 1, mixed_precision: bool = True) -> dict[str, float]:
+    """Training memory estimate in GiB for one unsharded replica with AdamW.
+
+    Weights fp32 (4 B), grads fp32 (4 B), Adam moments (8 B) per parameter; activations
+    per Korthikanti et al. (2022) with a fused (flash) attention kernel, i.e.
+    s*b*h*34 bytes per layer in 16-bit (doubled for fp32), plus the logits.
+    """
+    seq_len = seq_len or cfg.max_seq_len
+    n = count_parameters(cfg)["parameters"]
+    gib = 1024**3
+    act_bytes = 34 * seq_len * micro_batch * cfg.d_model * cfg.n_layers * (1 if mixed_precision else 2)
+    logits_bytes = seq_len * micro_batch * cfg.vocab_size * (2 + 4)  # 16-bit logits + fp32 loss copy
+    weights, grads, optim = 4 * n / gib, 4 * n / gib, 8 * n / gib
+    activations = (act_bytes + logits_bytes) / gib
+    return {
+        "weights_gib": weights,
+        "grads_gib": grads,
+        "optimizer_gib": optim,
+        "activations_gib": activations,
+        "total_gib": weights + grads + optim + activations,
+        "micro_batch": micro_batch,
+        "seq_len": seq_len,
+    }

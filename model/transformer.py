@@ -1,0 +1,217 @@
+"""Pre-norm decoder shared by the GPT-2 and LLaMA families, with KV-cache generation."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import AttnOut, KVCache, LayerSpec, build_attention
+from model.config import ModelConfig
+from model.rope import RotaryEmbedding, apply_rope
+
+
+def make_norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    dim = dim or cfg.d_model
+    if cfg.family == "gpt2":
+        return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=True)
+    return nn.RMSNorm(dim, eps=cfg.norm_eps)
+
+
+class MLP(nn.Module):
+    """GELU MLP (gpt2) or SwiGLU (llama)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        d, h = cfg.d_model, cfg.ffn_dim
+        self.gated = cfg.family == "llama"
+        self.up = nn.Linear(d, h, bias=cfg.bias)
+        self.gate = nn.Linear(d, h, bias=cfg.bias) if self.gated else None
+        self.down = nn.Linear(h, d, bias=cfg.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gated:
+            return self.down(F.silu(self.gate(x)) * self.up(x))
+        return self.down(F.gelu(self.up(x), approximate="tanh"))
+
+
+class SelfAttention(nn.Module):
+    """Projections, QK-norm and RoPE around a pluggable attention core."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        d, hd = cfg.d_model, cfg.head_dim
+        self.wq = nn.Linear(d, self.n_heads * hd, bias=cfg.bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.bias)
+        self.wo = nn.Linear(self.n_heads * hd, d, bias=cfg.bias)
+        self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
+        spec = LayerSpec(d, cfg.n_heads, cfg.kv_heads, hd, cfg.max_seq_len, layer_idx, cfg.n_layers)
+        self.core = build_attention(cfg.attention.kind, cfg.attention.variant, spec, cfg.attention.impl)
+
+    def forward(self, x: Tensor, *, positions: Tensor, rope: tuple[Tensor, Tensor] | None, cache: KVCache | None) -> AttnOut:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = self.core(q, k, v, hidden=x, positions=positions, cache=cache)
+        out.output = self.wo(out.output.transpose(1, 2).reshape(b, t, -1))
+        return out
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.norm1 = make_norm(cfg)
+        self.attn = SelfAttention(cfg, layer_idx)
+        self.norm2 = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.drop = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: Tensor, *, positions: Tensor, rope, cache: KVCache | None) -> tuple[Tensor, AttnOut]:
+        a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache)
+        x = x + self.drop(a.output)
+        x = x + self.drop(self.mlp(self.norm2(x)))
+        return x, a
+
+
+@dataclass
+class ModelOutput:
+    logits: Tensor | None = None  # [B, T, V]
+    loss_sum: Tensor | None = None  # summed token cross-entropy (the loop normalises by the global token count)
+    n_tokens: int = 0  # targets counted in loss_sum
+    aux_loss: Tensor | None = None  # summed over layers
+    stats: dict[str, Tensor] = field(default_factory=dict)  # attn/<variant>/<name>, mean over layers
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope.theta) if cfg.uses_rope else None
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        self.norm_f = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
+        std = self.cfg.init_std
+        for name, p in self.named_parameters():
+            if p.dim() >= 2:
+                scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "mlp.down.weight")) else 1.0
+                nn.init.normal_(p, mean=0.0, std=std * scale)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+        for m in self.modules():
+            if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
+                m.reset_parameters()
+            elif m is not self and hasattr(m, "reset_parameters") and not isinstance(m, (nn.Linear, nn.Embedding)):
+                m.reset_parameters()  # variant-owned parameters (centroids, bias tables, ...)
+        if self.rope is not None:
+            self.rope.reset_buffers()
+
+    def set_collect_stats(self, enabled: bool) -> None:
+        for block in self.blocks:
+            block.attn.core.collect_stats = enabled
+
+    def new_caches(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> list[KVCache]:
+        ref = self.tok_emb.weight
+        return [
+            KVCache(batch, self.cfg.kv_heads, self.cfg.head_dim, max_len, dtype=dtype or ref.dtype, device=device or ref.device)
+            for _ in self.blocks
+        ]
+
+    def forward(self, idx: Tensor, *, targets: Tensor | None = None, caches: list[KVCache] | None = None, return_logits: bool = True) -> ModelOutput:
+        b, t = idx.shape
+        start = caches[0].length if caches else 0
+        if self.pos_emb is not None and start + t > self.cfg.max_seq_len:
+            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)")
+        positions = torch.arange(start, start + t, device=idx.device)
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)
+        x = self.drop(x)
+        rope = self.rope.cos_sin(positions, x.dtype) if self.rope is not None else None
+        aux, stats = None, {}
+        for i, block in enumerate(self.blocks):
+            x, a = block(x, positions=positions, rope=rope, cache=caches[i] if caches else None)
+            if a.aux_loss is not None:
+                aux = a.aux_loss if aux is None else aux + a.aux_loss
+            for key, value in a.stats.items():
+                stats[key] = stats.get(key, 0.0) + value.detach().float() / len(self.blocks)
+        kind = self.cfg.attention.kind
+        out = ModelOutput(aux_loss=aux, stats={f"attn/{kind}/{k}": v for k, v in stats.items()})
+        logits = self.lm_head(self.norm_f(x))
+        if targets is not None:
+            out.loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            out.n_tokens = int((targets != -100).sum())
+        if return_logits:
+            out.logits = logits
+        return out
+
+    @torch.no_grad()
+    def generate(
+        self,
+        idx: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        eos_id: int | None = None,
+        generator: torch.Generator | None = None,
+        return_logits: bool = False,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Prefill ``idx`` [B, T0] into a KV cache, then decode one token at a time.
+
+        temperature 0 is greedy. Rows that produced ``eos_id`` keep emitting it.
+        With ``return_logits`` also returns the logits that chose each new token, [B, new, V].
+        """
+        b, t0 = idx.shape
+        caches = self.new_caches(b, t0 + max_new_tokens)
+        logits = self(idx, caches=caches).logits[:, -1]
+        tokens, chosen_logits = [], []
+        done = torch.zeros(b, dtype=torch.bool, device=idx.device)
+        for step in range(max_new_tokens):
+            chosen_logits.append(logits)
+            nxt = sample_next(logits, temperature=temperature, top_k=top_k, generator=generator)
+            if eos_id is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)
+                done |= nxt == eos_id
+            tokens.append(nxt)
+            if step + 1 == max_new_tokens or (eos_id is not None and bool(done.all())):
+                break
+            logits = self(nxt[:, None], caches=caches).logits[:, -1]
+        out = torch.cat([idx, torch.stack(tokens, dim=1)], dim=1)
+        return (out, torch.stack(chosen_logits, dim=1)) if return_logits else out
+
+
+def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+    if temperature <= 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu") -> Transformer:
+    cfg.validate()
+    with torch.device(device):
+        return Transformer(cfg)

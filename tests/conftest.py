@@ -1,0 +1,29 @@
+"""Shared fixtures. Tests run offline and on CPU; ../shared is optional (tests that read it skip without it)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    path = SHARED / "data"
+    if not path.is_dir():
+        pytest.skip(f"{path} is absent (the shared data folder sits beside the repo in CI only)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> Path:
+    """One tokenizer/token cache for the whole session, so a tokenizer is trained once."""
+    return tmp_path_factory.mktemp("cache")
