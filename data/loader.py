@@ -1,0 +1,76 @@
+"""Deterministic, resumable batches: the global batch of step s is fixed by (seed, s) alone.
+
+Sequence g of the run (g = 0, 1, ...) is element ``g % N`` of epoch ``g // N``'s
+permutation of the N sequences, seeded by (seed, epoch). Step s takes the global
+sequences [s*B, (s+1)*B); rank r takes its contiguous share, split into
+micro-batches. So any world size and micro-batch size see the same global batch,
+and the whole loader state is the number of sequences consumed.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from model.errors import ConfigError
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n)
+
+
+class BatchLoader:
+    def __init__(self, dataset, *, batch_size: int, micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
+        if batch_size % (micro_batch_size * world_size):
+            raise ConfigError(
+                f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world size ({world_size})"
+            )
+        if len(dataset) == 0:
+            raise ConfigError("data.seq_len: the training split holds no complete sequence; lower data.seq_len or add data")
+        self.dataset = dataset
+        self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle = seed, shuffle
+        self.accum_steps = batch_size // (micro_batch_size * world_size)
+        self.consumed = 0  # global sequences handed out so far
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def _index(self, g: int) -> int:
+        n = len(self.dataset)
+        epoch, pos = divmod(g, n)
+        if not self.shuffle:
+            return pos
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, epoch_permutation(n, self.seed, epoch))
+        return int(self._perm[1][pos])
+
+    def next_step(self) -> list[torch.Tensor]:
+        """This rank's micro-batches for one optimizer step: ``accum_steps`` tensors [micro, seq_len + 1]."""
+        per_rank = self.batch_size // self.world_size
+        start = self.consumed + self.rank * per_rank
+        indices = [self._index(g) for g in range(start, start + per_rank)]
+        self.consumed += self.batch_size
+        m = self.micro_batch_size
+        return [self.dataset.batch(indices[i : i + m]) for i in range(0, per_rank, m)]
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "num_sequences": len(self.dataset), "shuffle": self.shuffle}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["num_sequences"] != len(self.dataset):
+            raise ConfigError(
+                f"data: the training split has {len(self.dataset)} sequences but the checkpoint's loader had {state['num_sequences']}; "
+                "the data or data.seq_len changed"
+            )
+        if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
+            raise ConfigError(f"train.seed: the checkpoint's data order used seed {state['seed']}, this run {self.seed}")
+        self.consumed = int(state["consumed"])
+
+
+def eval_batches(dataset, *, batch_size: int, max_batches: int) -> Iterator[torch.Tensor]:
+    """The first ``batch_size * max_batches`` sequences in order (a fixed validation set)."""
+    n = min(len(dataset), batch_size * max_batches)
+    for start in range(0, n, batch_size):
+        yield dataset.batch(range(start, min(start + batch_size, n)))

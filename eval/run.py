@@ -1,0 +1,114 @@
+"""``python -m eval.run --run DIR | --checkpoint DIR --tasks ppl,sample [--limit N] [--out FILE]``
+
+Evaluates a checkpoint (``--run`` takes the run's latest complete one) and writes
+``{task: {metric: value}}`` JSON, by default to ``<run>/eval/step_NNNNNNNN.json``.
+
+Tasks:
+- ``ppl``: token-level loss and perplexity on the run's validation split (all of it, or ``--limit`` sequences).
+- ``sample``: a seeded generated continuation of ``--prompt`` through the KV cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from model.errors import ConfigError
+
+TASKS = ("ppl", "sample")
+
+
+def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
+    from pretrain.checkpoint import latest_checkpoint
+
+    if checkpoint:
+        path = Path(checkpoint)
+        if not path.is_dir():
+            raise ConfigError(f"--checkpoint: no such directory {checkpoint!r}")
+        return path
+    path = latest_checkpoint(Path(run))
+    if path is None:
+        raise ConfigError(f"--run: no complete checkpoint under {run}/checkpoints")
+    return path
+
+
+def task_ppl(model, cfg, tokenizer_dir: Path, *, limit: int, device) -> dict:
+    from data.build import build_corpus
+    from eval.perplexity import mean_loss, perplexity
+
+    cfg.data.tokenizer = str(_tokenizer_file(tokenizer_dir))  # the checkpoint's own tokenizer, never a retrained one
+    corpus = build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=lambda line: print(line, file=sys.stderr))
+    n = min(len(corpus.val), limit) if limit else len(corpus.val)
+    batches = (torch.stack([corpus.val[i] for i in range(a, min(a + 8, n))]) for a in range(0, n, 8))
+    loss, tokens = mean_loss(model, batches, device=device)
+    return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "sequences": n}
+
+
+def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device) -> dict:
+    ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tokenizer.eos_id)
+    return {"prompt": prompt, "text": tokenizer.decode(out[0, len(ids) :].tolist()), "tokens": int(out.shape[1] - len(ids))}
+
+
+def _tokenizer_file(directory: Path) -> Path:
+    for name in ("tokenizer.model", "tokenizer.json"):
+        if (directory / name).is_file():
+            return directory / name
+    raise ConfigError(f"--checkpoint: {directory} holds no tokenizer.model or tokenizer.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m eval.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--run", help="run directory (uses its latest complete checkpoint)")
+    src.add_argument("--checkpoint", help="checkpoint directory (checkpoints/step_NNNNNNNN)")
+    p.add_argument("--tasks", default="ppl,sample", help=f"comma-separated: {', '.join(TASKS)}")
+    p.add_argument("--limit", type=int, default=0, help="cap on examples per task (0 = all)")
+    p.add_argument("--out", help="JSON output file (default: <run>/eval/step_N.json)")
+    p.add_argument("--prompt", default="ROMEO.", help="sample: prompt text")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    args = p.parse_args(argv)
+    try:
+        tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        unknown = [t for t in tasks if t not in TASKS]
+        if unknown or not tasks:
+            raise ConfigError(f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {', '.join(TASKS)}")
+        path = resolve_checkpoint(args.run, args.checkpoint)
+        from data.tokenizer import load_tokenizer
+        from pretrain.checkpoint import load_model, load_trainer_state
+        from pretrain.engine import resolve_device
+
+        device = resolve_device(args.device)
+        model, cfg = load_model(path, device=device)
+        tokenizer = load_tokenizer(_tokenizer_file(path))
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    step = load_trainer_state(path)["step"]
+    results: dict = {"checkpoint": str(path), "step": step}
+    for task in tasks:
+        if task == "ppl":
+            results["ppl"] = task_ppl(model, cfg, path, limit=args.limit, device=device)
+            print(f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens")
+        elif task == "sample":
+            results["sample"] = task_sample(model, tokenizer, prompt=args.prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, device=device)
+            print(f"sample:\n{args.prompt}{results['sample']['text']}")
+    out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, out)
+    print(f"results written to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,171 @@
+"""Atomic, keep-last-N checkpoint directories and exact-resume trainer state.
+
+Layout: ``<run>/checkpoints/step_00000020/`` holding what the engine writes
+(model and optimizer), ``trainer.pt`` (step, tokens, scheduler, RNG, loader,
+fingerprints, resolved config) and ``meta.json``. A checkpoint is written
+under ``.tmp-step_...`` and renamed when complete, so a crash mid-write leaves
+only a temporary directory that ``latest_checkpoint`` never returns.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+META = "meta.json"
+TRAINER_STATE = "trainer.pt"
+MODEL_FILE = "model.safetensors"  # consolidated weights (single engine; other engines export to it)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = STEP_DIR.match(path.name)
+        if m and (path / META).is_file() and (path / TRAINER_STATE).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def _fsync_tree(path: Path) -> None:
+    for p in sorted(path.rglob("*")):
+        if p.is_file():
+            with open(p, "rb") as f:
+                os.fsync(f.fileno())
+    _fsync_dir(path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(run_dir: Path, step: int, *, write_engine_state, trainer_state: dict[str, Any], keep: int, meta: dict[str, Any] | None = None) -> Path:
+    """Write a complete checkpoint for ``step`` atomically and prune to the newest ``keep``.
+
+    ``write_engine_state(directory)`` writes the model/optimizer files (the engine
+    decides the format: plain state dicts, DCP shards, DeepSpeed's layout).
+    """
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{final.name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    write_engine_state(tmp)
+    torch.save(trainer_state, tmp / TRAINER_STATE)
+    info = {"step": step, "time": time.time(), **(meta or {})}
+    (tmp / META).write_text(json.dumps(info, indent=2) + "\n")
+    _fsync_tree(tmp)
+    if final.exists():  # re-saving a step (e.g. stop_at after a periodic save): swap atomically enough
+        old = root / f"{TMP_PREFIX}old-{final.name}-{os.getpid()}"
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(final)
+    _fsync_dir(root)
+    prune(run_dir, keep)
+    return final
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted writes by dead processes."""
+    found = complete_checkpoints(run_dir)
+    if keep > 0:
+        for _, path in found[:-keep]:
+            shutil.rmtree(path, ignore_errors=True)
+    for path in checkpoint_root(run_dir).glob(f"{TMP_PREFIX}*"):
+        pid = path.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
+# ---- RNG ----------------------------------------------------------------------------
+# Stored as plain lists and tensors so ``torch.load(weights_only=True)`` accepts them.
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    state = {
+        "python": list(random.getstate()[1]),
+        "python_version": random.getstate()[0],
+        "python_gauss": random.getstate()[2],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def load_model(path: Path, *, device: torch.device | str = "cpu"):
+    """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights."""
+    from safetensors.torch import load_model as load_weights
+
+    from model.transformer import build_model
+    from pretrain.config import run_config_from_dict
+
+    import tomllib
+
+    path = Path(path)
+    if not (path / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
+    cfg = run_config_from_dict(tomllib.loads(load_trainer_state(path)["config"]))
+    model = build_model(cfg.model, device=device)
+    load_weights(model, str(path / MODEL_FILE), device=str(device))
+    return model.eval(), cfg

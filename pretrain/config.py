@@ -1,0 +1,170 @@
+"""The run configuration (SPEC section 11): sections, defaults, loading and validation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from data.config import DataConfig
+from model.config import ModelConfig, preset_dict
+from model.errors import ConfigError
+from pretrain import configlib
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+PRECISIONS = ("auto", "fp32", "bf16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+@dataclass
+class RunSection:
+    dir: str = "runs/default"
+    name: str = ""  # display name for loggers; "" = the directory's name
+
+
+@dataclass
+class TrainConfig:
+    engine: str = "single"
+    zero_stage: int = 0
+    max_steps: int = 1000  # the schedule's length and the end of training
+    stop_at: int = 0  # > 0: checkpoint and stop at this step, schedule unchanged (as a preemption would)
+    batch_size: int = 32  # global sequences per optimizer step, whatever the world size
+    micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still measured)
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    log_every: int = 10
+    compile: bool = False
+
+    def validate(self) -> None:
+        from pretrain.engine import ENGINES  # the engine registry is the one list of engines
+
+        if self.engine not in ENGINES:
+            raise ConfigError(f"train.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        for name in ("max_steps", "batch_size", "log_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+        if self.stop_at > self.max_steps:
+            raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")
+        if self.lr <= 0:
+            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"train.schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if not 0.0 <= self.decay_fraction <= 1.0:
+            raise ConfigError(f"train.decay_fraction: must be in [0, 1], got {self.decay_fraction}")
+        if self.precision not in PRECISIONS:
+            raise ConfigError(f"train.precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
+        if self.grad_clip < 0:
+            raise ConfigError(f"train.grad_clip: must be >= 0, got {self.grad_clip}")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # steps between checkpoints; 0 = only at the end (and on preemption)
+    keep: int = 3  # complete checkpoints kept (the newest); 0 = all
+
+    def validate(self) -> None:
+        if self.every < 0 or self.keep < 0:
+            raise ConfigError("checkpoint.every / checkpoint.keep: must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    every: int = 200  # steps between validation passes; 0 = only at the end
+    batches: int = 20  # validation batches per pass
+    batch_size: int = 0  # 0 = train.micro_batch_size
+    sample_prompt: str = ""  # "" = the start of the first validation document
+    sample_tokens: int = 64
+
+    def validate(self) -> None:
+        if self.every < 0 or self.batches < 1 or self.batch_size < 0 or self.sample_tokens < 0:
+            raise ConfigError("eval.every / eval.batch_size must be >= 0, eval.batches >= 1, eval.sample_tokens >= 0")
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb: str = "offline"  # offline unless configured; online needs WANDB_API_KEY in the environment
+    wandb_project: str = "focused-pretrain"
+    wandb_entity: str = ""
+    console: bool = True
+
+    def validate(self) -> None:
+        if self.wandb not in WANDB_MODES:
+            raise ConfigError(f"log.wandb: {self.wandb!r} is not one of {', '.join(WANDB_MODES)}")
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        self.checkpoint.validate()
+        self.eval.validate()
+        self.log.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return configlib.to_dict(self)
+
+    def to_toml(self) -> str:
+        return configlib.dump_toml(self.to_dict())
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """``model`` table -> ModelConfig: the preset (if any) first, then every key the table sets."""
+    base = ModelConfig()
+    if "preset" in data:
+        if not isinstance(data["preset"], str):
+            raise ConfigError(f"model.preset: expected a string, got {data['preset']!r}")
+        for key, value in preset_dict(data["preset"]).items():
+            setattr(base, key, value)
+    return configlib.from_dict(ModelConfig, data, "model.", base=base)
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    data = dict(data)
+    model_table = data.pop("model", {})
+    cfg = configlib.from_dict(RunConfig, data)
+    cfg.model = model_config_from_dict(model_table)
+    return cfg
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = (), *, validate: bool = True) -> RunConfig:
+    """Read a TOML file (or nothing), apply ``--set`` overrides, build and validate."""
+    data = configlib.load_toml(path) if path else {}
+    for assignment in overrides:
+        configlib.apply_override(data, assignment)
+    cfg = run_config_from_dict(data)
+    if validate:
+        cfg.validate()
+    return cfg

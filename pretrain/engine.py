@@ -1,0 +1,141 @@
+"""Engine adapters: the one place that knows how a model is wrapped, stepped and saved.
+
+The loop calls the same few methods whatever the engine: ``micro_step`` for
+forward+backward (gradient sync only on the last micro-batch), ``optimizer_step``
+(clip, step, schedule), ``write_state`` / ``read_state`` for checkpoints, and
+``all_reduce_sum`` for global counts. ``single`` is one process on one device;
+``ddp``, ``fsdp2`` and ``deepspeed`` register here with the same surface.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+from torch import Tensor, nn
+
+from model.transformer import Transformer
+from pretrain.checkpoint import MODEL_FILE
+from pretrain.optim import build_optimizer, build_scheduler
+
+if TYPE_CHECKING:
+    from pretrain.config import TrainConfig
+
+
+@dataclass
+class MicroStepOut:
+    loss_sum: Tensor  # detached summed token loss of this micro-batch
+    n_tokens: int
+    aux_loss: Tensor | None = None  # detached
+    stats: dict[str, Tensor] = field(default_factory=dict)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """None = full fp32. ``auto`` is bf16 autocast on CUDA and fp32 on CPU."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+class Engine:
+    name = ""
+    rank = 0
+    world_size = 1
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
+        self.cfg = cfg
+        self.device = device
+        self.raw_model = model
+        self.model: nn.Module = torch.compile(model) if cfg.compile else model
+        self.optimizer = build_optimizer(model, cfg, device)
+        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.amp_dtype = autocast_dtype(cfg.precision, device)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+
+    def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Skip gradient synchronisation on all but the last micro-batch (data-parallel engines)."""
+        return contextlib.nullcontext()
+
+    def micro_step(self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool) -> MicroStepOut:
+        """Forward + backward of one micro-batch. The LM loss is ``loss_sum * loss_scale``
+        (1 / global target tokens of the step), so accumulation equals one large batch."""
+        inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
+        with self.no_sync(sync):
+            with self.autocast():
+                out = self.model(inputs, targets=targets, return_logits=False)
+            loss = out.loss_sum * loss_scale
+            if out.aux_loss is not None:
+                loss = loss + out.aux_loss * aux_scale
+            loss.backward()
+        aux = out.aux_loss.detach() if out.aux_loss is not None else None
+        return MicroStepOut(out.loss_sum.detach(), out.n_tokens, aux, out.stats)
+
+    def optimizer_step(self, grad_clip: float) -> float:
+        """Clip (or just measure) the gradient norm, step the optimizer and the schedule."""
+        params = [p for p in self.raw_model.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    @property
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def all_reduce_sum(self, value: Tensor) -> Tensor:
+        return value
+
+    def barrier(self) -> None:
+        pass
+
+    # ---- checkpoint state -----------------------------------------------------------
+    def write_state(self, directory: Path) -> None:
+        raise NotImplementedError
+
+    def read_state(self, directory: Path) -> None:
+        raise NotImplementedError
+
+
+class SingleEngine(Engine):
+    """One process, one device. Model weights as safetensors, optimizer + schedule as a torch file."""
+
+    name = "single"
+
+    def write_state(self, directory: Path) -> None:
+        from safetensors.torch import save_model
+
+        save_model(self.raw_model, str(directory / MODEL_FILE))
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
+
+    def read_state(self, directory: Path) -> None:
+        from safetensors.torch import load_model
+
+        load_model(self.raw_model, str(directory / MODEL_FILE), device=str(self.device))
+        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+
+
+ENGINES: dict[str, Callable[..., Engine]] = {"single": SingleEngine}
+
+
+def build_engine(model: Transformer, cfg: TrainConfig, device: torch.device) -> Engine:
+    return ENGINES[cfg.engine](model, cfg, device)

@@ -1,0 +1,220 @@
+"""The training loop: step -> loss -> backward -> clip -> step -> log -> eval -> save.
+
+It never branches on the engine or the attention variant: engines sit behind
+``pretrain.engine`` and variants behind the attention registry.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from data.build import Corpus, build_corpus
+from data.loader import BatchLoader, eval_batches
+from eval.perplexity import mean_loss, perplexity
+from model.config import flops_per_token
+from model.errors import ConfigError
+from model.transformer import build_model
+from pretrain import checkpoint as ckpt
+from pretrain.config import RunConfig
+from pretrain.engine import Engine, build_engine, resolve_device
+from pretrain.loggers import Loggers, Stopwatch, format_duration
+from pretrain.metrics import memory_gib, peak_flops
+from pretrain.signals import PREEMPTED_EXIT_CODE, PreemptionHandler
+
+
+@dataclass
+class TrainResult:
+    step: int
+    tokens: int
+    val_loss: float | None
+    exit_code: int  # 0 done or stopped at train.stop_at; PREEMPTED_EXIT_CODE after a signal
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def code_version() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig):
+        self.cfg = cfg
+        self.run_dir = cfg.run_dir
+        self.step = 0
+        self.tokens = 0
+        self.last_val: float | None = None
+
+    # ---- setup ----------------------------------------------------------------------
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device = resolve_device(cfg.train.device)
+        seed_everything(cfg.train.seed)
+        self.corpus: Corpus = build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=self._say)
+        self.model = build_model(cfg.model, device=self.device)
+        self.engine: Engine = build_engine(self.model, cfg.train, self.device)
+        world = self.engine.world_size
+        micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
+        self.loader = BatchLoader(
+            self.corpus.train, batch_size=cfg.train.batch_size, micro_batch_size=micro,
+            rank=self.engine.rank, world_size=world, seed=cfg.train.seed,
+        )
+        self.eval_batch_size = cfg.eval.batch_size or micro
+        self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["flops_per_token"]
+        self.peak = peak_flops(self.device)
+        if self.engine.is_main:
+            self.corpus.tokenizer.save(self.run_dir)
+            _atomic_write(self.run_dir / "config.toml", cfg.to_toml())
+        self.loggers = Loggers(self.run_dir, cfg.log, run_name=cfg.run.name or self.run_dir.name, config=cfg.to_dict(), enabled=self.engine.is_main)
+        self._restore()
+
+    def _say(self, line: str) -> None:
+        if getattr(self, "engine", None) is None or self.engine.is_main:
+            print(line, flush=True)
+
+    def _trainer_state(self) -> dict:
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "rng": ckpt.rng_state(),
+            "loader": self.loader.state_dict(),
+            "data_fingerprint": self.corpus.fingerprint,
+            "tokenizer_fingerprint": self.corpus.tokenizer.fingerprint,
+            "config": self.cfg.to_toml(),
+            "code_version": code_version(),
+        }
+
+    def _restore(self) -> None:
+        path = ckpt.latest_checkpoint(self.run_dir)
+        if path is None:
+            return
+        state = ckpt.load_trainer_state(path)
+        if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
+            raise ConfigError(f"data.tokenizer: does not match the tokenizer of checkpoint {path} (fingerprints differ)")
+        if state["data_fingerprint"] != self.corpus.fingerprint:
+            raise ConfigError(f"data: the corpus or its settings changed since checkpoint {path}; use a new run.dir")
+        self.engine.read_state(path)
+        self.loader.load_state_dict(state["loader"])
+        ckpt.set_rng_state(state["rng"])
+        self.step, self.tokens = state["step"], state["tokens"]
+        self.loggers.metrics.truncate_after(self.step)
+        self._say(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
+
+    def _write_checkpoint_files(self, directory: Path) -> None:
+        self.engine.write_state(directory)
+        if self.engine.is_main:
+            self.corpus.tokenizer.save(directory)  # a checkpoint is self-contained for evaluation
+
+    def save(self) -> Path:
+        path = ckpt.save_checkpoint(
+            self.run_dir, self.step, write_engine_state=self._write_checkpoint_files,
+            trainer_state=self._trainer_state(), keep=self.cfg.checkpoint.keep, meta={"tokens": self.tokens},
+        )
+        self._say(f"checkpoint saved: {path}")
+        return path
+
+    # ---- steps ----------------------------------------------------------------------
+    def validate(self) -> float:
+        batches = eval_batches(self.corpus.val, batch_size=self.eval_batch_size, max_batches=self.cfg.eval.batches)
+        loss, _ = mean_loss(self.engine.model, batches, device=self.device, autocast=self.engine.autocast())
+        self.last_val = loss
+        self.loggers.log({"step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)})
+        self.loggers.console(f"step {self.step:>6} | val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
+        return loss
+
+    def train_step(self, log_step: bool) -> dict:
+        self.model.set_collect_stats(log_step)
+        micro = self.loader.next_step()
+        n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro)
+        n_global = int(self.engine.all_reduce_sum(torch.tensor(float(n_local), device=self.device)))
+        lr = self.engine.lr
+        loss_sum = torch.zeros((), device=self.device)
+        aux_sum, stats = None, {}
+        for i, mb in enumerate(micro):
+            out = self.engine.micro_step(mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1)
+            loss_sum += out.loss_sum
+            if out.aux_loss is not None:
+                aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
+            for key, value in out.stats.items():
+                stats[key] = stats.get(key, 0.0) + value / len(micro)
+        grad_norm = self.engine.optimizer_step(self.cfg.train.grad_clip)
+        self.step += 1
+        self.tokens += n_global
+        record = {"step": self.step, "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
+        if aux_sum is not None:
+            record["aux_loss"] = float(aux_sum)
+        record.update({k: float(v) for k, v in stats.items()})
+        return record
+
+    def run(self) -> TrainResult:
+        cfg = self.cfg.train
+        stop = cfg.stop_at or cfg.max_steps
+        timer, since, tokens_at, step_at = Stopwatch(), 0.0, self.tokens, self.step
+        self.model.train()
+        with PreemptionHandler() as preempt:
+            while self.step < stop:
+                if preempt.requested:
+                    break
+                log_step = self.step == 0 or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
+                record = self.train_step(log_step)
+                since += timer.lap()
+                if log_step:
+                    tps = (self.tokens - tokens_at) / max(since, 1e-9)
+                    record["tokens_per_s"] = tps
+                    record["memory_gib"] = memory_gib(self.device)
+                    if self.peak:
+                        record["mfu"] = tps * self.flops_per_token / (self.peak * self.engine.world_size)
+                    self.loggers.log(record)
+                    eta = (stop - self.step) * since / max(1, self.step - step_at)
+                    self.loggers.console(
+                        f"step {self.step:>6}/{cfg.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+                        f"gnorm {record['grad_norm']:.3f} | {tps:,.0f} tok/s"
+                        + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
+                        + f" | mem {record['memory_gib']:.2f} GiB | eta {format_duration(eta)}"
+                    )
+                    since, tokens_at, step_at = 0.0, self.tokens, self.step
+                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
+                    self.validate()
+                    timer.lap()  # validation time is not training throughput
+                if self.step < stop and self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
+                    self.save()
+                    timer.lap()
+            preempted = preempt.requested and self.step < stop
+        if preempted:
+            self._say(f"preemption signal {preempt.received}: saving at step {self.step} and exiting with {PREEMPTED_EXIT_CODE}")
+        elif self.step == cfg.max_steps and (not self.cfg.eval.every or self.step % self.cfg.eval.every):
+            self.validate()
+        self.save()
+        self.loggers.close()
+        return TrainResult(self.step, self.tokens, self.last_val, PREEMPTED_EXIT_CODE if preempted else 0)
+
+    def sample(self, max_new_tokens: int, prompt: str = "") -> str:
+        """A short generated continuation, for the console (seeded: the same run prints the same sample)."""
+        tok = self.corpus.tokenizer
+        ids = tok.encode(prompt) if prompt else self.corpus.val[0][:16].tolist()
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
+        x = torch.tensor([ids], device=self.device)
+        self.model.eval()
+        out = self.model.generate(x, max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tok.eos_id)
+        return tok.decode(out[0].tolist())
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)

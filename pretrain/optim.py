@@ -1,0 +1,63 @@
+"""AdamW with decay / no-decay parameter groups, and learning-rate schedules."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pretrain.config import TrainConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Decay matrices only: no weight decay on norms, biases, embeddings, or variant vectors (centroids, offsets)."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for _, p in model.named_parameters():
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+    return [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, device: torch.device) -> torch.optim.AdamW:
+    # Tied LM head shares the embedding's tensor: it is counted once, as an embedding (no decay).
+    return torch.optim.AdamW(
+        param_groups(model, cfg.weight_decay),
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        fused=device.type in ("cuda", "cpu"),
+    )
+
+
+def lr_multiplier(step: int, cfg: TrainConfig) -> float:
+    """Multiplier of ``cfg.lr`` for optimizer step ``step`` (0-based): linear warmup, then the schedule to the floor."""
+    floor = cfg.min_lr_ratio
+    if cfg.warmup_steps and step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.max_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "linear":
+        return floor + (1.0 - floor) * (1.0 - progress)
+    if cfg.schedule == "cosine":
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # wsd: warmup, stable at the peak, then a linear decay over the last decay_fraction of all steps
+    decay_start = cfg.max_steps - int(round(cfg.decay_fraction * cfg.max_steps))
+    if step < decay_start:
+        return 1.0
+    return floor + (1.0 - floor) * (1.0 - (step - decay_start) / max(1, cfg.max_steps - decay_start))
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+
+from model.errors import ConfigError
+from pretrain import configlib
+from pretrain.config import load_run_config, run_config_from_dict
+from tests.conftest import REPO
+
+TINY = REPO / "launch" / "configs" / "tiny.toml"
+
+
+def test_tiny_config_loads_with_preset_and_overrides():
+    cfg = load_run_config(TINY, ["model.n_layers=2", "train.max_steps=7", "model.attention.full.backend=sdpa", "run.dir=/tmp/x"])
+    assert cfg.model.preset == "tiny" and cfg.model.n_layers == 2 and cfg.model.d_model == 256  # preset kept, override wins
+    assert cfg.train.max_steps == 7 and cfg.model.attention.variant.backend == "sdpa"
+    assert str(cfg.run_dir) == "/tmp/x"
+
+
+def test_resolved_config_round_trips_through_toml():
+    cfg = load_run_config(TINY, ["model.qk_norm=true", "train.lr=0.01"])
+    again = run_config_from_dict(__import__("tomllib").loads(cfg.to_toml()))
+    assert again.to_dict() == cfg.to_dict()
+    assert "[model.attention.full]" in cfg.to_toml()
+
+
+@pytest.mark.parametrize(
+    "override,needle",
+    [
+        ("model.n_head=8", "model.n_head: unknown key; did you mean 'n_heads'?"),
+        ("train.max_step=8", "train.max_step: unknown key; did you mean 'max_steps'?"),
+        ("trian.max_steps=8", "trian: unknown key; did you mean 'train'?"),
+        ("model.attention.focuss.window=8", "model.attention.focuss: unknown key"),
+        ("train.max_steps=abc", "train.max_steps: expected an integer, got 'abc'"),
+        ("train.lr=true", "train.lr: expected a number"),
+        ("model.qk_norm=1", "model.qk_norm: expected true or false"),
+        ("model.n_heads=7", "model.n_heads: 7 does not divide model.d_model=256"),
+        ("model.preset=gpt5", "model.preset: 'gpt5' is not one of"),
+        ("model.attention.kind=sparse", "model.attention.kind: 'sparse' is not one of"),
+        ("train.schedule=step", "train.schedule: 'step' is not one of cosine, linear, constant, wsd"),
+        ("train.stop_at=999", "train.stop_at: 999 is past train.max_steps=200"),
+        ("data.seq_len=1024", "data.seq_len: 1024 exceeds model.max_seq_len=256"),
+        ("log.wandb=maybe", "log.wandb: 'maybe' is not one of"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_field(override, needle):
+    with pytest.raises(ConfigError) as info:
+        load_run_config(TINY, [override])
+    message = str(info.value)
+    assert needle in message and "\n" not in message
+
+
+def test_override_values_parse_as_toml_or_fall_back_to_strings():
+    data: dict = {}
+    configlib.apply_override(data, "a.b=3")
+    configlib.apply_override(data, "a.c=0.5")
+    configlib.apply_override(data, "a.d=runs/x")
+    configlib.apply_override(data, 'a.e="7"')
+    assert data == {"a": {"b": 3, "c": 0.5, "d": "runs/x", "e": "7"}}
+    with pytest.raises(ConfigError, match="expected key=value"):
+        configlib.apply_override(data, "a.b")
+
+
+def test_missing_config_file():
+    with pytest.raises(ConfigError, match="--config: no such file"):
+        load_run_config("/nonexistent/run.toml")
