@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -86,7 +87,7 @@ def _init_wandb(run_dir: Path, cfg: LogConfig, run_name: str, config: dict[str, 
 
     # The run id lives in the run directory so a resumed run continues the same W&B run.
     id_file = run_dir / "wandb_id"
-    run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+    run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
     return wandb.init(
         project=cfg.wandb_project,
