@@ -40,8 +40,8 @@ def resolve_paths(path: str) -> list[Path]:
     else:
         files = [Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file() and Path(f).suffix in EXTENSIONS]
     if not files:
-        what = "no such file or directory" if not any(ch in path for ch in "*?[") and not p.exists() else "matches no .txt, .jsonl or .parquet files"
-        raise ConfigError(f"data.path: {path!r} {what}")
+        what = "does not exist" if not any(ch in path for ch in "*?[") and not p.exists() else "matches no data files"
+        raise ConfigError(f"data.path: {path!r} {what}; expected a file, folder or glob of .txt, .jsonl or .parquet")
     return sorted(files)
 
 

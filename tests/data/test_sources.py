@@ -32,9 +32,9 @@ def test_jsonl_parquet_and_folders(tmp_path):
 
 
 def test_missing_path_and_bad_records(tmp_path):
-    with pytest.raises(ConfigError, match=r"^data\.path: .* no such file or directory"):
+    with pytest.raises(ConfigError, match=r"^data\.path: .* does not exist; expected a file, folder or glob of \.txt, \.jsonl or \.parquet$"):
         DataConfig(source="local", path=str(tmp_path / "nope")).validate()
-    with pytest.raises(ConfigError, match=r"^data\.path: .* matches no \.txt, \.jsonl or \.parquet"):
+    with pytest.raises(ConfigError, match=r"^data\.path: .* matches no data files; expected"):
         DataConfig(source="local", path=str(tmp_path / "*.txt")).validate()
     with pytest.raises(ConfigError, match=r"^data\.path: required"):
         DataConfig(source="local").validate()
