@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.errors import ConfigError
+from model.errors import ConfigError, check_choice, check_min, check_range
 
 SOURCES = ("embedded", "local")
 
@@ -23,14 +23,10 @@ class DataConfig:
     cache_dir: str = ""  # "" = $FOCUSED_PRETRAIN_CACHE or ~/.cache/focused-pretrain
 
     def validate(self) -> None:
-        if self.source not in SOURCES:
-            raise ConfigError(f"data.source: {self.source!r} is not one of {', '.join(SOURCES)}")
-        if self.seq_len < 1:
-            raise ConfigError(f"data.seq_len: must be >= 1, got {self.seq_len}")
-        if not 0.0 < self.val_fraction < 1.0:
-            raise ConfigError(f"data.val_fraction: must be in (0, 1), got {self.val_fraction}")
-        if self.vocab_size < 0:
-            raise ConfigError(f"data.vocab_size: must be >= 0 (0 = model.vocab_size), got {self.vocab_size}")
+        check_choice("data.source", self.source, SOURCES)
+        check_min("data.seq_len", self.seq_len, 1)
+        check_range("data.val_fraction", self.val_fraction, 0.0, 1.0, open_low=True, open_high=True)
+        check_min("data.vocab_size", self.vocab_size, 0, note=" (0 = model.vocab_size)")
         if self.source == "local":
             from data.sources import resolve_paths
 

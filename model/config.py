@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.errors import ConfigError
+from model.errors import ConfigError, check_choice, check_min, check_range
 
 FAMILIES = ("gpt2", "llama")
 
@@ -26,14 +26,11 @@ class RopeConfig:
     original_max_seq_len: int = 0  # 0 = model.max_seq_len
 
     def validate(self) -> None:
-        if self.theta <= 0:
-            raise ConfigError(f"model.rope.theta: must be > 0, got {self.theta}")
         from model.rope import SCALING_TYPES  # local import: rope imports this module
 
-        if self.scaling not in SCALING_TYPES:
-            raise ConfigError(f"model.rope.scaling: {self.scaling!r} is not one of {', '.join(SCALING_TYPES)}")
-        if self.factor < 1.0:
-            raise ConfigError(f"model.rope.factor: must be >= 1, got {self.factor}")
+        check_min("model.rope.theta", self.theta, 0, strict=True)
+        check_choice("model.rope.scaling", self.scaling, SCALING_TYPES)
+        check_min("model.rope.factor", self.factor, 1.0)
 
 
 @dataclass
@@ -67,10 +64,8 @@ class AttentionConfig:
     def validate(self) -> None:
         from model.attention import registry
 
-        if self.kind not in registry:
-            raise ConfigError(f"model.attention.kind: {self.kind!r} is not one of {', '.join(sorted(registry))}")
-        if self.impl not in ("auto", "reference"):
-            raise ConfigError(f"model.attention.impl: {self.impl!r} is not one of auto, reference")
+        check_choice("model.attention.kind", self.kind, sorted(registry))
+        check_choice("model.attention.impl", self.impl, ("auto", "reference"))
         validate = getattr(self.variant, "validate", None)
         if validate is not None:
             validate()
@@ -119,11 +114,9 @@ class ModelConfig:
         return self.family == "llama"
 
     def validate(self) -> None:
-        if self.family not in FAMILIES:
-            raise ConfigError(f"model.family: {self.family!r} is not one of {', '.join(FAMILIES)}")
+        check_choice("model.family", self.family, FAMILIES)
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"model.{name}: must be >= 1, got {getattr(self, name)}")
+            check_min(f"model.{name}", getattr(self, name), 1)
         if self.d_model % self.n_heads:
             divisors = [h for h in range(1, min(self.d_model, 128) + 1) if self.d_model % h == 0]
             raise ConfigError(
@@ -136,10 +129,8 @@ class ModelConfig:
             )
         if self.uses_rope and self.head_dim % 2:
             raise ConfigError(f"model.n_heads: RoPE needs an even head dimension, got {self.head_dim}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout: must be in [0, 1), got {self.dropout}")
-        if self.d_ff < 0:
-            raise ConfigError(f"model.d_ff: must be >= 0 (0 = family default), got {self.d_ff}")
+        check_range("model.dropout", self.dropout, 0.0, 1.0, open_high=True)
+        check_min("model.d_ff", self.d_ff, 0, note=" (0 = the family's default)")
         self.rope.validate()
         self.attention.validate()
 

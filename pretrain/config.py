@@ -8,7 +8,7 @@ from typing import Any
 
 from data.config import DataConfig
 from model.config import ModelConfig, preset_dict
-from model.errors import ConfigError
+from model.errors import ConfigError, check_choice, check_min, check_range
 from pretrain import configlib
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
@@ -49,28 +49,19 @@ class TrainConfig:
     def validate(self) -> None:
         from pretrain.engine import ENGINES  # the engine registry is the one list of engines
 
-        if self.engine not in ENGINES:
-            raise ConfigError(f"train.engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        check_choice("train.engine", self.engine, ENGINES)
         for name in ("max_steps", "batch_size", "log_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name}: must be >= 1, got {getattr(self, name)}")
+            check_min(f"train.{name}", getattr(self, name), 1)
         for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"train.{name}: must be >= 0, got {getattr(self, name)}")
+            check_min(f"train.{name}", getattr(self, name), 0)
         if self.stop_at > self.max_steps:
             raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")
-        if self.lr <= 0:
-            raise ConfigError(f"train.lr: must be > 0, got {self.lr}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ConfigError(f"train.min_lr_ratio: must be in [0, 1], got {self.min_lr_ratio}")
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(f"train.schedule: {self.schedule!r} is not one of {', '.join(SCHEDULES)}")
-        if not 0.0 <= self.decay_fraction <= 1.0:
-            raise ConfigError(f"train.decay_fraction: must be in [0, 1], got {self.decay_fraction}")
-        if self.precision not in PRECISIONS:
-            raise ConfigError(f"train.precision: {self.precision!r} is not one of {', '.join(PRECISIONS)}")
-        if self.grad_clip < 0:
-            raise ConfigError(f"train.grad_clip: must be >= 0, got {self.grad_clip}")
+        check_min("train.lr", self.lr, 0, strict=True)
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_choice("train.schedule", self.schedule, SCHEDULES)
+        check_range("train.decay_fraction", self.decay_fraction, 0.0, 1.0)
+        check_choice("train.precision", self.precision, PRECISIONS)
+        check_min("train.grad_clip", self.grad_clip, 0)
 
 
 @dataclass
@@ -79,8 +70,8 @@ class CheckpointConfig:
     keep: int = 3  # complete checkpoints kept (the newest); 0 = all
 
     def validate(self) -> None:
-        if self.every < 0 or self.keep < 0:
-            raise ConfigError("checkpoint.every / checkpoint.keep: must be >= 0")
+        check_min("checkpoint.every", self.every, 0)
+        check_min("checkpoint.keep", self.keep, 0)
 
 
 @dataclass
@@ -92,8 +83,9 @@ class EvalConfig:
     sample_tokens: int = 64
 
     def validate(self) -> None:
-        if self.every < 0 or self.batches < 1 or self.batch_size < 0 or self.sample_tokens < 0:
-            raise ConfigError("eval.every / eval.batch_size must be >= 0, eval.batches >= 1, eval.sample_tokens >= 0")
+        for name in ("every", "batch_size", "sample_tokens"):
+            check_min(f"eval.{name}", getattr(self, name), 0)
+        check_min("eval.batches", self.batches, 1)
 
 
 @dataclass
@@ -105,8 +97,7 @@ class LogConfig:
     console: bool = True
 
     def validate(self) -> None:
-        if self.wandb not in WANDB_MODES:
-            raise ConfigError(f"log.wandb: {self.wandb!r} is not one of {', '.join(WANDB_MODES)}")
+        check_choice("log.wandb", self.wandb, WANDB_MODES)
 
 
 @dataclass

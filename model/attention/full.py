@@ -12,7 +12,7 @@ from torch import Tensor
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, register_attention
-from model.errors import ConfigError
+from model.errors import ConfigError, check_choice
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
@@ -24,8 +24,7 @@ class FullConfig:
     backend: str = "auto"
 
     def validate(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ConfigError(f"model.attention.full.backend: {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        check_choice("model.attention.full.backend", self.backend, BACKENDS)
         if self.backend == "flash_attn" and not _HAS_FLASH_ATTN:
             raise ConfigError("model.attention.full.backend: flash_attn is not installed (pip install '.[flash]')")
 

@@ -87,7 +87,7 @@ def test_fast_path_matches_reference(name, case):
     for i, (a, b) in enumerate(zip(fast_grads, ref_grads)):
         assert (a is None) == (b is None), f"input {i} gradient presence differs"
         if a is not None:
-            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=lambda m: f"seed {seed}, input {i}: {m}")
+            torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8, msg=lambda m, i=i: f"seed {seed}, input {i}: {m}")
     assert fast_pgrads.keys() == ref_pgrads.keys()
     for key in ref_pgrads:
         torch.testing.assert_close(fast_pgrads[key], ref_pgrads[key], atol=1e-10, rtol=1e-8)
