@@ -112,3 +112,17 @@ def test_sampling_is_seeded():
     a = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
     b = model.generate(prompt, 10, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(7))
     assert torch.equal(a, b) and a.shape == (1, 13)
+
+
+def test_generation_stops_rows_at_eos():
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=20, max_seq_len=32, d_model=32, n_layers=1, n_heads=4)).eval()
+    prompt = torch.randint(0, 20, (3, 4), generator=torch.Generator().manual_seed(1))
+    greedy = model.generate(prompt, 6)
+    eos = int(greedy[0, 5])  # row 0 emits this token second
+    out = model.generate(prompt, 6, eos_id=eos)
+    for row in out[:, 4:]:
+        hits = (row == eos).nonzero()
+        if len(hits):
+            assert (row[hits[0, 0] :] == eos).all(), "after EOS a row keeps emitting EOS"
+    assert torch.equal(out[0, :6], greedy[0, :6])

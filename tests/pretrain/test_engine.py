@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model.config import ModelConfig
+from model.transformer import Transformer
+from pretrain.config import TrainConfig
+from pretrain.engine import autocast_dtype, build_engine
+
+
+def engine(precision="fp32", seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4)).to(dtype)
+    return build_engine(model, TrainConfig(precision=precision, lr=1e-2, warmup_steps=0, max_steps=10), torch.device("cpu"))
+
+
+def test_accumulation_equals_one_large_batch():
+    batch = torch.randint(0, 64, (4, 17), generator=torch.Generator().manual_seed(1))
+    one, two = engine(dtype=torch.float64), engine(dtype=torch.float64)  # float64: only summation order differs
+    n = 4 * 16
+    one.micro_step(batch[:, :-1], batch[:, 1:], loss_scale=1 / n, aux_scale=1.0, sync=True)
+    for i in range(2):
+        mb = batch[2 * i : 2 * i + 2]
+        two.micro_step(mb[:, :-1], mb[:, 1:], loss_scale=1 / n, aux_scale=0.5, sync=i == 1)
+    for (name, a), b in zip(one.raw_model.named_parameters(), two.raw_model.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-12, rtol=1e-10, msg=name)
+    assert one.optimizer_step(1.0) == pytest.approx(two.optimizer_step(1.0), rel=1e-10)
+    for a, b in zip(one.raw_model.parameters(), two.raw_model.parameters()):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-8)
+
+
+def test_clipping_bounds_the_update_norm_and_reports_the_raw_norm():
+    e = engine()
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(2))
+    e.micro_step(batch[:, :-1], batch[:, 1:], loss_scale=1000.0, aux_scale=1.0, sync=True)  # huge gradients
+    raw = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in e.raw_model.parameters())).item()
+    assert e.optimizer_step(0.5) == pytest.approx(raw, rel=1e-4)
+    assert all(p.grad is None for p in e.raw_model.parameters())
+
+
+def test_precision_policy():
+    assert autocast_dtype("auto", torch.device("cpu")) is None
+    assert autocast_dtype("auto", torch.device("cuda")) is torch.bfloat16
+    assert autocast_dtype("fp32", torch.device("cuda")) is None
+    e = engine("bf16")
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    out = e.micro_step(batch[:, :-1], batch[:, 1:], loss_scale=1 / 32, aux_scale=1.0, sync=True)
+    assert torch.isfinite(out.loss_sum) and out.n_tokens == 32
+    assert all(p.dtype == torch.float32 for p in e.raw_model.parameters()), "autocast keeps fp32 master weights"
