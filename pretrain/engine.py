@@ -87,14 +87,15 @@ class Engine:
         aux = out.aux_loss.detach() if out.aux_loss is not None else None
         return MicroStepOut(out.loss_sum.detach(), out.n_tokens, aux, out.stats)
 
-    def optimizer_step(self, grad_clip: float) -> float:
-        """Clip (or just measure) the gradient norm, step the optimizer and the schedule."""
+    def optimizer_step(self, grad_clip: float) -> Tensor:
+        """Clip (or just measure) the gradient norm, step the optimizer and the schedule.
+        Returns the pre-clip norm as a device tensor (reading it is a host sync)."""
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm.detach()
 
     @property
     def lr(self) -> float:

@@ -138,6 +138,7 @@ class Trainer:
         return loss
 
     def train_step(self, log_step: bool) -> dict:
+        """One optimizer step. Values stay on the device (no host sync) unless this is a logging step."""
         self.model.set_collect_stats(log_step)
         micro = self.loader.next_step()
         n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro)
@@ -155,7 +156,9 @@ class Trainer:
         grad_norm = self.engine.optimizer_step(self.cfg.train.grad_clip)
         self.step += 1
         self.tokens += n_global
-        record = {"step": self.step, "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens}
+        if not log_step:
+            return {}
+        record = {"step": self.step, "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global, "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens}
         if aux_sum is not None:
             record["aux_loss"] = float(aux_sum)
         record.update({k: float(v) for k, v in stats.items()})
@@ -164,29 +167,20 @@ class Trainer:
     def run(self) -> TrainResult:
         cfg = self.cfg.train
         stop = cfg.stop_at or cfg.max_steps
+        if self.step >= stop:
+            self._say(f"nothing to do: the run is at step {self.step} (stop at {stop})")
+            return TrainResult(self.step, self.tokens, None, 0)
         timer, since, tokens_at, step_at = Stopwatch(), 0.0, self.tokens, self.step
         self.model.train()
         with PreemptionHandler() as preempt:
             while self.step < stop:
                 if preempt.requested:
                     break
-                log_step = self.step == 0 or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
+                log_step = self.step == step_at or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
                 record = self.train_step(log_step)
                 since += timer.lap()
                 if log_step:
-                    tps = (self.tokens - tokens_at) / max(since, 1e-9)
-                    record["tokens_per_s"] = tps
-                    record["memory_gib"] = memory_gib(self.device)
-                    if self.peak:
-                        record["mfu"] = tps * self.flops_per_token / (self.peak * self.engine.world_size)
-                    self.loggers.log(record)
-                    eta = (stop - self.step) * since / max(1, self.step - step_at)
-                    self.loggers.console(
-                        f"step {self.step:>6}/{cfg.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-                        f"gnorm {record['grad_norm']:.3f} | {tps:,.0f} tok/s"
-                        + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
-                        + f" | mem {record['memory_gib']:.2f} GiB | eta {format_duration(eta)}"
-                    )
+                    self._log_train(record, since, self.tokens - tokens_at, self.step - step_at, stop)
                     since, tokens_at, step_at = 0.0, self.tokens, self.step
                 if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
                     self.validate()
@@ -202,6 +196,21 @@ class Trainer:
         self.save()
         self.loggers.close()
         return TrainResult(self.step, self.tokens, self.last_val, PREEMPTED_EXIT_CODE if preempted else 0)
+
+    def _log_train(self, record: dict, seconds: float, tokens: int, steps: int, stop: int) -> None:
+        tps = tokens / max(seconds, 1e-9)
+        record["tokens_per_s"] = tps
+        record["memory_gib"] = memory_gib(self.device)
+        if self.peak:
+            record["mfu"] = tps * self.flops_per_token / (self.peak * self.engine.world_size)
+        self.loggers.log(record)
+        eta = (stop - self.step) * seconds / max(1, steps)
+        self.loggers.console(
+            f"step {self.step:>6}/{self.cfg.train.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
+            f"gnorm {record['grad_norm']:.3f} | {tps:,.0f} tok/s"
+            + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
+            + f" | mem {record['memory_gib']:.2f} GiB | eta {format_duration(eta)}"
+        )
 
     def sample(self, max_new_tokens: int, prompt: str = "") -> str:
         """A short generated continuation, for the console (seeded: the same run prints the same sample)."""

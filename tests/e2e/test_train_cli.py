@@ -186,3 +186,12 @@ def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     # the same 4 validation sequences (eval.batches 2 x micro-batch 2) the trainer scored at step 40, reloaded weights
     assert results["ppl"]["loss"] == pytest.approx(val["val_loss"], abs=1e-5)
     assert results["sample"]["tokens"] == 12 and isinstance(results["sample"]["text"], str)
+
+
+def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
+    before = (reference_run / "metrics.jsonl").read_text()
+    ckpts = steps_on_disk(reference_run)
+    proc = train(overrides(reference_run, cache_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "nothing to do: the run is at step 40" in proc.stdout
+    assert (reference_run / "metrics.jsonl").read_text() == before and steps_on_disk(reference_run) == ckpts
