@@ -10,4 +10,4 @@ from model.attention.base import (  # noqa: F401
     register_attention,
     registry,
 )
-from model.attention import full  # noqa: F401  (registers "full")
+from model.attention import full, focal  # noqa: F401,E402  (register "full", "focal")

@@ -31,33 +31,49 @@ class FullConfig:
 
 @register_attention("full", FullConfig)
 class FullAttention(Attention):
-    def scale(self) -> float:
+    """Softmax attention. Subclasses that only change the logit scale (Focal) override
+    ``logit_scale`` and keep both paths."""
+
+    def logit_scale(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> float | Tensor:
+        """A float, or a per-query tensor [B, 1, Tq, 1] multiplying q . k."""
         return 1.0 / math.sqrt(self.spec.head_dim)
 
+    def stats(self, scale: float | Tensor) -> dict[str, Tensor]:
+        return {}
+
     def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        p = ref.masked_softmax(ref.scores(q, k, self.scale()), ref.causal_mask(q_pos, k_pos))
-        return AttnOut(ref.weighted_values(p, v, q.dtype))
+        scale = self.logit_scale(hidden, q_pos, cache)
+        p = ref.masked_softmax(ref.scores(q, k, scale), ref.causal_mask(q_pos, k_pos))
+        return AttnOut(ref.weighted_values(p, v, q.dtype), stats=self.stats(scale) if self.collect_stats else {})
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True  # SDPA covers every device and dtype
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        gqa = k.shape[1] != q.shape[1]
-        if self._use_flash_attn(q, cache):
-            from flash_attn import flash_attn_func
-
-            out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=self.scale())
-            return AttnOut(out.transpose(1, 2))
-        tq, tk = q.shape[2], k.shape[2]
-        if tq == tk:  # training / prefill from position 0: the built-in causal mask is exact
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale(), enable_gqa=gqa)
-        elif tq == 1:  # decode: the one new query sees every cached key
-            out = F.scaled_dot_product_attention(q, k, v, scale=self.scale(), enable_gqa=gqa)
-        else:  # chunked prefill onto a cache: SDPA's is_causal aligns top-left, so pass the mask
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=self.scale(), enable_gqa=gqa)
-        return AttnOut(out)
+        scale = self.logit_scale(hidden, q_pos, cache)
+        stats = self.stats(scale) if self.collect_stats else {}
+        if isinstance(scale, Tensor):  # a per-query scale folds into q; the kernel then scales by 1
+            q, scale = q * scale.to(q.dtype), 1.0
+        return AttnOut(sdpa_causal(q, k, v, q_pos=q_pos, k_pos=k_pos, scale=scale, flash=self._use_flash_attn(q, cache)), stats=stats)
 
     def _use_flash_attn(self, q: Tensor, cache: KVCache | None) -> bool:
-        if self.cfg.backend == "sdpa" or not _HAS_FLASH_ATTN or cache is not None:
+        if getattr(self.cfg, "backend", "auto") == "sdpa" or not _HAS_FLASH_ATTN or cache is not None:
             return False
         return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+
+
+def sdpa_causal(q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, scale: float, flash: bool = False) -> Tensor:
+    """Causal attention through flash-attn or SDPA, exact for training, prefill, chunked prefill and decode."""
+    if flash:
+        from flash_attn import flash_attn_func
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=scale)
+        return out.transpose(1, 2)
+    gqa = k.shape[1] != q.shape[1]
+    tq, tk = q.shape[2], k.shape[2]
+    if tq == tk:  # training / prefill from position 0: the built-in causal mask is exact
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+    if tq == 1:  # decode: the one new query sees every cached key
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+    # chunked prefill onto a cache: SDPA's is_causal aligns top-left, so pass the mask
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=scale, enable_gqa=gqa)

@@ -1,0 +1,67 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from model.attention import LayerSpec, build_attention
+from model.attention.focal import FocalConfig
+from model.config import ModelConfig
+from model.errors import ConfigError
+from model.transformer import Transformer
+
+
+def model_with(kind: str, **options) -> Transformer:
+    cfg = ModelConfig(vocab_size=50, max_seq_len=32, d_model=64, n_layers=2, n_heads=4)
+    cfg.attention.kind = kind
+    for key, value in options.items():
+        setattr(cfg.attention.options[kind], key, value)
+    torch.manual_seed(0)
+    return Transformer(cfg).double().eval()
+
+
+def test_constant_t_of_one_is_full_attention():
+    idx = torch.randint(0, 50, (2, 20), generator=torch.Generator().manual_seed(0))
+    full, focal = model_with("full"), model_with("focal", t=1.0)
+    focal.load_state_dict(full.state_dict())
+    torch.testing.assert_close(focal(idx).logits, full(idx).logits, atol=1e-12, rtol=0)
+    sharp = model_with("focal", t=0.4)
+    sharp.load_state_dict(full.state_dict())
+    assert (sharp(idx).logits - full(idx).logits).abs().max() > 1e-3
+
+
+def test_constant_scale_is_one_over_t_sqrt_d():
+    spec = LayerSpec(64, 4, 4, 16, 32, 0, 1)
+    module = build_attention("focal", FocalConfig(t=0.4), spec)
+    assert module.logit_scale(torch.zeros(1, 3, 64), torch.arange(3), None) == pytest.approx(1 / (0.4 * 4.0))
+
+
+@pytest.mark.parametrize("head_dim,expected", [(16, 5.0), (64, 8.0), (128, 10.0)])
+def test_learned_tau_starts_at_clipped_sqrt_head_dim(head_dim, expected):
+    spec = LayerSpec(4 * head_dim, 4, 4, head_dim, 32, 0, 1)
+    module = build_attention("focal", FocalConfig(mode="learned"), spec)
+    hidden = torch.randn(2, 7, 4 * head_dim)
+    assert torch.allclose(module.tau(hidden, torch.arange(7), None), torch.full((2, 7), expected))
+    assert expected == min(max(math.sqrt(head_dim), 5.0), 10.0)
+
+
+def test_learned_tau_is_clipped_and_trains():
+    spec = LayerSpec(64, 4, 4, 16, 32, 0, 1)
+    module = build_attention("focal", FocalConfig(mode="learned"), spec).double()
+    with torch.no_grad():
+        module.w_tau.normal_(0, 2.0)
+    hidden = torch.randn(2, 9, 64, dtype=torch.float64)
+    tau = module.tau(hidden, torch.arange(9), None)
+    assert tau.min() >= 5.0 and tau.max() <= 10.0 and (tau == 5.0).any() and (tau == 10.0).any()
+    q, k, v = (torch.randn(2, 4, 9, 16, dtype=torch.float64) for _ in range(3))
+    out = module(q, k, v, hidden=hidden, positions=torch.arange(9))
+    out.output.square().sum().backward()
+    assert module.w_tau.grad is not None and module.w_tau.grad.abs().sum() > 0
+
+
+def test_bad_focal_options():
+    with pytest.raises(ConfigError, match="model.attention.focal.scope"):
+        FocalConfig(scope="global").validate()
+    with pytest.raises(ConfigError, match="model.attention.focal.tau_max: 4.0 is below tau_min=5.0"):
+        FocalConfig(tau_max=4.0).validate()
