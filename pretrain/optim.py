@@ -14,14 +14,16 @@ if TYPE_CHECKING:
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices only: no weight decay on norms, biases, embeddings, or variant vectors (centroids, offsets)."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Decay matrices only: no weight decay on norms, biases, embeddings, or what a module lists in
+    its ``no_weight_decay`` attribute (attention bias tables, centroids, offsets)."""
+    no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    no_decay_ids |= {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "no_weight_decay", ())}
     decay, no_decay, seen = [], [], set()
     for _, p in model.named_parameters():
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        (decay if p.dim() >= 2 and id(p) not in no_decay_ids else no_decay).append(p)
     return [
         {"params": decay, "weight_decay": weight_decay, "name": "decay"},
         {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
