@@ -18,19 +18,29 @@ FAMILIES = ("gpt2", "llama")
 
 @dataclass
 class RopeConfig:
-    """Rotary embedding settings (``model.rope.*``). Scaling types arrive with the long-context work."""
+    """Rotary embedding settings (``model.rope.*``); see model/rope.py for each scaling type."""
 
     theta: float = 10000.0
-    scaling: str = "none"
-    factor: float = 1.0
-    original_max_seq_len: int = 0  # 0 = model.max_seq_len
+    scaling: str = "none"  # none | linear | ntk | dynamic_ntk | yarn | llama3
+    factor: float = 0.0  # context extension factor; 0 = the type's default (llama3: 8, others: 1)
+    original_max_seq_len: int = 0  # pretraining length; 0 = llama3: 8192, others: max_seq_len / factor
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    attention_factor: float = 0.0  # yarn; 0 = 0.1 ln(factor) + 1
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
 
     def validate(self) -> None:
         from model.rope import SCALING_TYPES  # local import: rope imports this module
 
         check_min("model.rope.theta", self.theta, 0, strict=True)
         check_choice("model.rope.scaling", self.scaling, SCALING_TYPES)
-        check_min("model.rope.factor", self.factor, 1.0)
+        if self.factor and self.factor < 1.0:
+            raise ConfigError(f"model.rope.factor: must be >= 1 (or 0 for the type's default), got {self.factor}")
+        check_min("model.rope.original_max_seq_len", self.original_max_seq_len, 0)
+        check_min("model.rope.attention_factor", self.attention_factor, 0)
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ConfigError(f"model.rope.high_freq_factor: {self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}")
 
 
 @dataclass

@@ -99,7 +99,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope.theta) if cfg.uses_rope else None
+        self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_seq_len) if cfg.uses_rope else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
         self.norm_f = make_norm(cfg)
