@@ -195,3 +195,20 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing to do: the run is at step 40" in proc.stdout
     assert (reference_run / "metrics.jsonl").read_text() == before and steps_on_disk(reference_run) == ckpts
+
+
+@pytest.mark.parametrize(
+    "kind,extra,stats",
+    [
+        ("focal", {"model.attention.focal.mode": "learned"}, {"attn/focal/tau"}),
+        ("lazy", {"model.rope.theta": 500000.0}, {"attn/lazy/sink_ratio", "attn/lazy/density", "attn/lazy/tau"}),
+    ],
+)
+def test_variants_train_through_the_cli_and_log_their_statistics(tmp_path, cache_dir, kind, extra, stats):
+    run_dir = tmp_path / "run"
+    proc = train(overrides(run_dir, cache_dir, **{"model.attention.kind": kind, "train.max_steps": 4, "checkpoint.every": 0, "eval.every": 0, **extra}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = losses(run_dir)
+    assert sorted(rows) == [1, 2, 3, 4]
+    assert stats <= rows[4].keys()
+    assert "[model.attention." + kind + "]" in (run_dir / "config.toml").read_text()
