@@ -8,8 +8,12 @@ discrimination plus Elastic-Softmax.
   query i attends (i + 1 at 0-based position i) and a learnable per-head ``tau_h`` (init 1).
   Rows sum to at most 1; weak weights become exactly 0.
 
-This module is the dense reference path; the two-pass FlashAttention-style fast path
-(appendix F) is tracked separately and must match it.
+Fast path (appendix F), two FlexAttention passes over the same causal block mask:
+pass 1 gives each row's logsumexp ``lse`` of the biased scores; pass 2 uses the score
+``s + log(1 - (tau/n) exp(lse - s))`` where that argument is positive and -inf elsewhere, so
+its softmax numerators are ``e^lse * relu(p - tau/n)``; the output is ``out2 * exp(lse2 - lse)``
+= sum_j relu(p_ij - tau/n_i) v_j, exactly. It runs where FlexAttention has a backward (CUDA);
+on CPU the reference path trains, and tests check the composition forward-only.
 """
 
 from __future__ import annotations
@@ -86,4 +90,55 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
+        return q.is_cuda and _flex_available() and not self.collect_stats
+
+    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        flex = _flex(q.is_cuda)
+        tq, tk = q.shape[2], k.shape[2]
+        bias, tau, last = self.distance_bias, self.tau, self.table - 1
+        q_pos = q_pos.to(q.device)
+
+        def biased(score, b, h, qi, kv):  # positions of keys are their indices (0..Tk-1)
+            return score - bias[h, (q_pos[qi] - kv).clamp(0, last)].to(score.dtype)
+
+        def causal(b, h, qi, kv):
+            return kv <= q_pos[qi]
+
+        block_mask = create_block_mask(causal, None, None, tq, tk, device=q.device)
+        kwargs = dict(block_mask=block_mask, scale=1.0 / math.sqrt(self.spec.head_dim), enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+        _, lse = flex(q, k, v, score_mod=biased, **kwargs)
+
+        def elastic(score, b, h, qi, kv):
+            s = biased(score, b, h, qi, kv)
+            c = tau[h].to(score.dtype) / (q_pos[qi] + 1).to(score.dtype)
+            arg = 1.0 - c * torch.exp((lse[b, h, qi].to(score.dtype) - s).clamp(max=80.0))
+            return torch.where(arg > 0, s + torch.log(arg.clamp(min=1e-30)), float("-inf"))
+
+        out2, lse2 = flex(q, k, v, score_mod=elastic, **kwargs)
+        weight = torch.exp(lse2 - lse).nan_to_num(0.0)  # a row with nothing above threshold: lse2 = -inf
+        return AttnOut((out2.nan_to_num(0.0) * weight[..., None].to(out2.dtype)).to(q.dtype))
+
+
+def _flex_available() -> bool:
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
         return False
+    return True
+
+
+_COMPILED_FLEX = None
+
+
+def _flex(compiled: bool):
+    """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests)."""
+    global _COMPILED_FLEX
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not compiled:
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
+    return _COMPILED_FLEX
