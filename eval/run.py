@@ -6,6 +6,8 @@ Evaluates a checkpoint (``--run`` takes the run's latest complete one) and write
 Tasks:
 - ``ppl``: token-level loss and perplexity on the run's validation split (all of it, or ``--limit`` sequences).
 - ``sample``: a seeded generated continuation of ``--prompt`` through the KV cache.
+- ``ppl_length``: loss and perplexity at ``--lengths`` multiples of the training length on the same
+  held-out tokens, plus a PNG plot beside the JSON.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from model.errors import ConfigError
 
-TASKS = ("ppl", "sample")
+TASKS = ("ppl", "sample", "ppl_length")
 
 
 def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
@@ -37,16 +39,33 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
     return path
 
 
-def task_ppl(model, cfg, tokenizer_dir: Path, *, limit: int, device) -> dict:
+def held_out(cfg, tokenizer_dir: Path):
     from data.build import build_corpus
-    from eval.perplexity import mean_loss, perplexity
 
     cfg.data.tokenizer = str(_tokenizer_file(tokenizer_dir))  # the checkpoint's own tokenizer, never a retrained one
-    corpus = build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=lambda line: print(line, file=sys.stderr))
+    return build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=lambda line: print(line, file=sys.stderr))
+
+
+def task_ppl(model, corpus, *, limit: int, device) -> dict:
+    from eval.perplexity import mean_loss, perplexity
+
     n = min(len(corpus.val), limit) if limit else len(corpus.val)
     batches = (torch.stack([corpus.val[i] for i in range(a, min(a + 8, n))]) for a in range(0, n, 8))
     loss, tokens = mean_loss(model, batches, device=device)
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "sequences": n}
+
+
+def task_ppl_length(model, corpus, *, train_length: int, multiples: list[float], max_tokens: int, device, plot: Path) -> dict:
+    from eval.length import loss_by_length, plot_loss_by_length
+
+    lengths = [max(1, int(train_length * m)) for m in multiples]
+    results = loss_by_length(model, corpus.val.tokens, lengths, max_tokens=max_tokens, device=device)
+    out = {str(length): r for length, r in results.items()}
+    try:
+        out["plot"] = str(plot_loss_by_length(results, plot, train_length=train_length))
+    except ImportError:
+        out["plot"] = "matplotlib is not installed (pip install '.[eval]')"
+    return out
 
 
 def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device) -> dict:
@@ -74,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", default="ROMEO.", help="sample: prompt text")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lengths", default="1,2,4,8", help="ppl_length: multiples of the training length")
+    p.add_argument("--max-tokens", type=int, default=16384, help="ppl_length: held-out tokens scored at every length")
     p.add_argument("--device", default="auto")
     args = p.parse_args(argv)
     try:
@@ -94,15 +115,22 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     step = load_trainer_state(path)["step"]
     results: dict = {"checkpoint": str(path), "step": step}
+    out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    corpus = held_out(cfg, path) if {"ppl", "ppl_length"} & set(tasks) else None
     for task in tasks:
-        if task == "ppl":
-            results["ppl"] = task_ppl(model, cfg, path, limit=args.limit, device=device)
+        if task == "ppl_length":
+            multiples = [float(m) for m in args.lengths.split(",") if m.strip()]
+            results[task] = task_ppl_length(model, corpus, train_length=cfg.data.seq_len, multiples=multiples, max_tokens=args.max_tokens, device=device, plot=out.with_suffix(".ppl_length.png"))
+            for length, r in results[task].items():
+                if isinstance(r, dict) and "perplexity" in r:
+                    print(f"ppl_length: {length:>6} tokens | loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f}")
+        elif task == "ppl":
+            results["ppl"] = task_ppl(model, corpus, limit=args.limit, device=device)
             print(f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens")
         elif task == "sample":
             results["sample"] = task_sample(model, tokenizer, prompt=args.prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, device=device)
             print(f"sample:\n{args.prompt}{results['sample']['text']}")
-    out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(results, indent=2) + "\n")
     os.replace(tmp, out)

@@ -153,10 +153,20 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def load_weights(model, path: Path, *, device: torch.device | str = "cpu") -> None:
+    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not)."""
+    from safetensors.torch import load_model as load_safetensors
+
+    try:
+        load_safetensors(model, str(Path(path) / MODEL_FILE), device=str(device))
+    except RuntimeError as exc:
+        from model.errors import ConfigError
+
+        raise ConfigError(f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})") from None
+
+
 def load_model(path: Path, *, device: torch.device | str = "cpu"):
     """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights."""
-    from safetensors.torch import load_model as load_weights
-
     from model.transformer import build_model
     from pretrain.config import run_config_from_dict
 
@@ -167,5 +177,5 @@ def load_model(path: Path, *, device: torch.device | str = "cpu"):
         raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
     cfg = run_config_from_dict(tomllib.loads(load_trainer_state(path)["config"]))
     model = build_model(cfg.model, device=device)
-    load_weights(model, str(path / MODEL_FILE), device=str(device))
+    load_weights(model, path, device=device)
     return model.eval(), cfg

@@ -45,6 +45,9 @@ class TrainConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     log_every: int = 10
     compile: bool = False
+    # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
+    # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
+    init_from: str = ""
 
     def validate(self) -> None:
         from pretrain.engine import ENGINES  # the engine registry is the one list of engines

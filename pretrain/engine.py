@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from model.transformer import Transformer
-from pretrain.checkpoint import MODEL_FILE
+from pretrain.checkpoint import MODEL_FILE, load_weights
 from pretrain.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
@@ -127,9 +127,7 @@ class SingleEngine(Engine):
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
 
     def read_state(self, directory: Path) -> None:
-        from safetensors.torch import load_model
-
-        load_model(self.raw_model, str(directory / MODEL_FILE), device=str(self.device))
+        load_weights(self.raw_model, directory, device=self.device)
         state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -99,9 +99,23 @@ class Trainer:
             "code_version": code_version(),
         }
 
+    def _init_from(self, source: str) -> None:
+        """Continue training another run's weights (context extension, retrofits): model only."""
+        path = Path(source)
+        path = ckpt.latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
+        if path is None or not (path / ckpt.MODEL_FILE).is_file():
+            raise ConfigError(f"train.init_from: {source!r} is neither a complete checkpoint nor a run directory with one")
+        state = ckpt.load_trainer_state(path)
+        if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
+            raise ConfigError(f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to {path / 'tokenizer.model'}")
+        ckpt.load_weights(self.model, path, device=self.device)
+        self._say(f"initialised weights from {path} (step {state['step']})")
+
     def _restore(self) -> None:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
+            if self.cfg.train.init_from:
+                self._init_from(self.cfg.train.init_from)
             return
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:

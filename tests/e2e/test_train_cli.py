@@ -212,3 +212,31 @@ def test_variants_train_through_the_cli_and_log_their_statistics(tmp_path, cache
     assert sorted(rows) == [1, 2, 3, 4]
     assert stats <= rows[4].keys()
     assert "[model.attention." + kind + "]" in (run_dir / "config.toml").read_text()
+
+
+def test_context_extension_continues_a_checkpoint_and_reports_perplexity_by_length(reference_run, tmp_path, cache_dir):
+    run_dir = tmp_path / "extend"
+    extra = {
+        "train.init_from": str(reference_run), "data.tokenizer": str(reference_run / "tokenizer.model"),
+        "model.max_seq_len": 128, "data.seq_len": 128, "model.rope.theta": 500000.0,
+        "train.max_steps": 3, "train.batch_size": 2, "train.micro_batch_size": 2, "checkpoint.every": 0, "eval.every": 0,
+    }
+    proc = train(overrides(run_dir, cache_dir, **extra))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "initialised weights from" in proc.stdout and "step_00000040" in proc.stdout
+    assert losses(run_dir)[1]["loss"] < losses(reference_run)[1]["loss"] - 0.3, "starts from the trained weights, not from scratch"
+    out = tmp_path / "len.json"
+    ev = subprocess.run(
+        [sys.executable, "-m", "eval.run", "--run", str(run_dir), "--tasks", "ppl_length", "--lengths", "0.5,1,2", "--max-tokens", "1024", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads(out.read_text())["ppl_length"]
+    assert {"64", "128", "256"} <= result.keys()
+    assert all(result[k]["tokens"] == (1024 // int(k)) * int(k) for k in ("64", "128", "256"))
+    assert Path(result["plot"]).is_file() and Path(result["plot"]).stat().st_size > 1000
+
+
+def test_init_from_with_another_tokenizer_is_refused(reference_run, tmp_path, cache_dir):
+    proc = train(overrides(tmp_path / "x", cache_dir, **{"train.init_from": str(reference_run), "data.vocab_size": 500}))
+    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: data.tokenizer: does not match the tokenizer of")

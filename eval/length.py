@@ -1,0 +1,58 @@
+"""Loss and perplexity against context length: the check for long-context work (RoPE scaling,
+raised bases, length extrapolation of Lazy / Focal).
+
+Every length is scored on the same leading tokens of a held-out stream, cut into
+non-overlapping windows of that length, so the figures differ only in how much context each
+prediction had.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from eval.perplexity import mean_loss, perplexity
+
+
+def loss_by_length(model, tokens: np.ndarray, lengths: list[int], *, max_tokens: int, device, batch_size: int = 4) -> dict[int, dict]:
+    """{length: {loss, perplexity, tokens, windows}} over the first ``max_tokens`` + 1 tokens."""
+    results = {}
+    budget = min(max_tokens, len(tokens) - 1)
+    for length in lengths:
+        windows = budget // length
+        if windows == 0:
+            results[length] = {"skipped": f"fewer than {length + 1} held-out tokens"}
+            continue
+        if model.pos_emb is not None and length > model.cfg.max_seq_len:
+            results[length] = {"skipped": f"learned positions stop at model.max_seq_len={model.cfg.max_seq_len}"}
+            continue
+        seqs = [torch.from_numpy(tokens[i * length : i * length + length + 1].astype(np.int64)) for i in range(windows)]
+        batches = (torch.stack(seqs[i : i + batch_size]) for i in range(0, windows, batch_size))
+        loss, n = mean_loss(model, batches, device=device)
+        results[length] = {"loss": loss, "perplexity": perplexity(loss), "tokens": n, "windows": windows}
+    return results
+
+
+def plot_loss_by_length(results: dict[int, dict], path: Path, *, train_length: int, title: str = "") -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted((length, r["perplexity"]) for length, r in results.items() if "perplexity" in r)
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    ax.plot([p[0] for p in points], [p[1] for p in points], marker="o")
+    ax.axvline(train_length, color="grey", linestyle="--", linewidth=1, label=f"training length {train_length}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title or "perplexity against context length")
+    ax.legend()
+    fig.tight_layout()
+    tmp = path.with_name(path.stem + ".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
+    return path
