@@ -6,6 +6,8 @@ Evaluates a checkpoint (``--run`` takes the run's latest complete one) and write
 Tasks:
 - ``ppl``: token-level loss and perplexity on the run's validation split (all of it, or ``--limit`` sequences).
 - ``sample``: a seeded generated continuation of ``--prompt`` through the KV cache.
+- ``attention_stats``: each variant's statistics (sink ratio, density, ...) averaged over layers, from the
+  dense reference path on the first validation batch, so variants are measured the same way.
 - ``ppl_length``: loss and perplexity at ``--lengths`` multiples of the training length on the same
   held-out tokens, plus a PNG plot beside the JSON.
 """
@@ -22,7 +24,7 @@ import torch
 
 from model.errors import ConfigError
 
-TASKS = ("ppl", "sample", "ppl_length")
+TASKS = ("ppl", "sample", "ppl_length", "attention_stats")
 
 
 def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
@@ -66,6 +68,23 @@ def task_ppl_length(model, corpus, *, train_length: int, multiples: list[float],
     except ImportError:
         out["plot"] = "matplotlib is not installed (pip install '.[eval]')"
     return out
+
+
+@torch.no_grad()
+def task_attention_stats(model, corpus, *, batch_size: int, device) -> dict:
+    cores = [block.attn.core for block in model.blocks]
+    saved = [core.impl for core in cores]
+    for core in cores:
+        core.impl = "reference"
+    model.set_collect_stats(True)
+    try:
+        batch = torch.stack([corpus.val[i] for i in range(min(batch_size, len(corpus.val)))]).to(device)
+        stats = model(batch[:, :-1]).stats
+    finally:
+        model.set_collect_stats(False)
+        for core, impl in zip(cores, saved):
+            core.impl = impl
+    return {key: float(value) for key, value in stats.items()} | {"sequences": int(batch.shape[0])}
 
 
 def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device) -> dict:
@@ -117,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict = {"checkpoint": str(path), "step": step}
     out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    corpus = held_out(cfg, path) if {"ppl", "ppl_length"} & set(tasks) else None
+    corpus = held_out(cfg, path) if {"ppl", "ppl_length", "attention_stats"} & set(tasks) else None
     for task in tasks:
         if task == "ppl_length":
             multiples = [float(m) for m in args.lengths.split(",") if m.strip()]
@@ -125,6 +144,9 @@ def main(argv: list[str] | None = None) -> int:
             for length, r in results[task].items():
                 if isinstance(r, dict) and "perplexity" in r:
                     print(f"ppl_length: {length:>6} tokens | loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f}")
+        elif task == "attention_stats":
+            results[task] = task_attention_stats(model, corpus, batch_size=8, device=device)
+            print("attention_stats: " + ", ".join(f"{k} {v:.4f}" for k, v in results[task].items() if k != "sequences"))
         elif task == "ppl":
             results["ppl"] = task_ppl(model, corpus, limit=args.limit, device=device)
             print(f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens")

@@ -44,7 +44,9 @@ class FullAttention(Attention):
     def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         scale = self.logit_scale(hidden, q_pos, cache)
         p = ref.masked_softmax(ref.scores(q, k, scale), ref.causal_mask(q_pos, k_pos))
-        return AttnOut(ref.weighted_values(p, v, q.dtype), stats=self.stats(scale) if self.collect_stats else {})
+        # the weights are materialised here anyway: sink ratio and density come free (the fast path skips them)
+        stats = {**self.stats(scale), **ref.sink_and_density(p, k_pos)} if self.collect_stats else {}
+        return AttnOut(ref.weighted_values(p, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True  # SDPA covers every device and dtype

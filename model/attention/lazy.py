@@ -84,9 +84,7 @@ class LazyAttention(Attention):
         a = self.weights(q, k, q_pos, k_pos)
         stats = {}
         if self.collect_stats:
-            first = (k_pos == 0).to(a.dtype)
-            sink = (a * first).sum(-1)
-            stats = {"sink_ratio": sink.mean().detach(), "density": (a.sum(-1) - sink).mean().detach(), "tau": self.tau.mean().detach()}
+            stats = {**ref.sink_and_density(a, k_pos), "tau": self.tau.mean().detach()}
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:

@@ -32,3 +32,11 @@ def masked_softmax(s: Tensor, mask: Tensor) -> Tensor:
 
 def weighted_values(p: Tensor, v: Tensor, out_dtype: torch.dtype) -> Tensor:
     return torch.matmul(p, expand_kv(v, p.shape[1]).to(p.dtype)).to(out_dtype)
+
+
+def sink_and_density(a: Tensor, k_pos: Tensor) -> dict[str, Tensor]:
+    """Appendix C.3 of the Lazy paper: mean weight on the first token (sink ratio) and on all the
+    others (density), over queries, heads and batch. ``a``: [B, H, Tq, Tk] attention weights."""
+    first = (k_pos == 0).to(a.dtype)
+    sink = (a * first).sum(-1)
+    return {"sink_ratio": sink.mean().detach(), "density": (a.sum(-1) - sink).mean().detach()}

@@ -175,7 +175,7 @@ def test_bad_input_stops_before_training_with_one_line(tmp_path, cache_dir, extr
 def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eval.run", "--run", str(reference_run), "--tasks", "ppl,sample", "--limit", "4", "--max-new-tokens", "12", "--out", str(out)],
+        [sys.executable, "-m", "eval.run", "--run", str(reference_run), "--tasks", "ppl,sample,attention_stats", "--limit", "4", "--max-new-tokens", "12", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -186,6 +186,10 @@ def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     # the same 4 validation sequences (eval.batches 2 x micro-batch 2) the trainer scored at step 40, reloaded weights
     assert results["ppl"]["loss"] == pytest.approx(val["val_loss"], abs=1e-5)
     assert results["sample"]["tokens"] == 12 and isinstance(results["sample"]["text"], str)
+    stats = results["attention_stats"]
+    # softmax rows sum to one: sink ratio + density = 1 for full attention, measured on the dense path
+    assert stats["attn/full/sink_ratio"] + stats["attn/full/density"] == pytest.approx(1.0, abs=1e-5)
+    assert 0 < stats["attn/full/sink_ratio"] < 1
 
 
 def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
