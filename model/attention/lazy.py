@@ -88,7 +88,7 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return q.is_cuda and _flex_available() and not self.collect_stats
+        return q.is_cuda and _flex_available()
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         from torch.nn.attention.flex_attention import create_block_mask
@@ -116,7 +116,9 @@ class LazyAttention(Attention):
 
         out2, lse2 = flex(q, k, v, score_mod=elastic, **kwargs)
         weight = torch.exp(lse2 - lse).nan_to_num(0.0)  # a row with nothing above threshold: lse2 = -inf
-        return AttnOut((out2.nan_to_num(0.0) * weight[..., None].to(out2.dtype)).to(q.dtype))
+        # sink ratio and density need the dense weights: the reference path and eval.run attention_stats give them
+        stats = {"tau": self.tau.mean().detach()} if self.collect_stats else {}
+        return AttnOut((out2.nan_to_num(0.0) * weight[..., None].to(out2.dtype)).to(q.dtype), stats=stats)
 
 
 def _flex_available() -> bool:
