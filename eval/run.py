@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [t for t in tasks if t not in TASKS]
         if unknown or not tasks:
             raise ConfigError(f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {', '.join(TASKS)}")
+        try:
+            multiples = [float(m) for m in args.lengths.split(",") if m.strip()]
+        except ValueError:
+            raise ConfigError(f"--lengths: {args.lengths!r} is not a comma-separated list of numbers, e.g. 1,2,4,8") from None
         path = resolve_checkpoint(args.run, args.checkpoint)
         from data.tokenizer import load_tokenizer
         from pretrain.checkpoint import load_model, load_trainer_state
@@ -139,7 +143,6 @@ def main(argv: list[str] | None = None) -> int:
     corpus = held_out(cfg, path) if {"ppl", "ppl_length", "attention_stats"} & set(tasks) else None
     for task in tasks:
         if task == "ppl_length":
-            multiples = [float(m) for m in args.lengths.split(",") if m.strip()]
             results[task] = task_ppl_length(model, corpus, train_length=cfg.data.seq_len, multiples=multiples, max_tokens=args.max_tokens, device=device, plot=out.with_suffix(".ppl_length.png"))
             for length, r in results[task].items():
                 if isinstance(r, dict) and "perplexity" in r:
