@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
 
 import numpy as np
 
@@ -14,6 +15,8 @@ from data.packing import PackedDataset, pack_documents
 from data.sources import Document, iter_documents
 from data.tokenizer import Tokenizer, get_tokenizer
 from model.errors import ConfigError
+
+CACHE_FORMAT = "tokens-v1"  # bump when packing changes, so old caches are not reused
 
 
 @dataclass
@@ -32,16 +35,22 @@ def _doc_hash(doc_id: str) -> float:
 
 
 def split_documents(docs: list[Document], val_fraction: float) -> tuple[list[Document], list[Document]]:
-    """Deterministic split by document: a document is held out when its id hashes below val_fraction."""
+    """Deterministic split by document: a document is held out when its id hashes below val_fraction.
+
+    With two or more documents both splits are non-empty (the lowest hash always validates,
+    the highest always trains); a single document always trains (build_corpus cuts its tail).
+    """
+    if len(docs) < 2:
+        return list(docs), []
     ranked = sorted(docs, key=lambda d: _doc_hash(d.id))
     val_ids = {d.id for d in ranked if _doc_hash(d.id) < val_fraction}
-    if len(docs) >= 2:  # both splits non-empty: the lowest hash always validates, the highest always trains
-        val_ids.add(ranked[0].id)
-        val_ids.discard(ranked[-1].id)
+    val_ids.add(ranked[0].id)
+    val_ids.discard(ranked[-1].id)
     return [d for d in docs if d.id not in val_ids], [d for d in docs if d.id in val_ids]
 
 
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
+    """-sum p ln p over the token frequencies of ``tokens``, in nats."""
     counts = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
@@ -50,47 +59,88 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
 def _content_hash(docs: list[Document]) -> str:
     h = hashlib.sha256()
     for d in docs:
-        h.update(d.id.encode())
-        h.update(b"\0")
-        h.update(d.text.encode())
-        h.update(b"\1")
+        for part in (d.id, d.text):
+            data = part.encode()
+            h.update(len(data).to_bytes(8, "little"))  # length-prefixed: no two corpora hash alike
+            h.update(data)
     return h.hexdigest()
 
 
+def _save_npy(path: Path, array: np.ndarray) -> None:
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        np.save(f, array)
+    os.replace(tmp, path)
+
+
+def _load_cached(train_path: Path, val_path: Path) -> tuple[np.ndarray, np.ndarray] | None:
+    if not (train_path.is_file() and val_path.is_file()):
+        return None
+    try:
+        return np.load(train_path), np.load(val_path)
+    except (OSError, ValueError):  # a damaged cache is rebuilt, not trusted
+        return None
+
+
 def build_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], None] = print) -> Corpus:
+    """Read, split, tokenise and pack ``cfg``'s documents; token arrays are cached under ``cache_dir/tokens``."""
+    cfg.validate()
     docs = list(iter_documents(cfg))
     if not docs:
         raise ConfigError(f"data.path: {cfg.path or cfg.source!r} holds no documents")
     content = _content_hash(docs)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
-    tokenizer = get_tokenizer(cfg, vocab_size=vocab_size, corpus_fingerprint=hashlib.sha256(f"{content}|{cfg.val_fraction}".encode()).hexdigest(), texts=lambda: (d.text for d in train_docs), log=log)
+    single = len(docs) == 1
 
-    key = hashlib.sha256(f"{content}|{cfg.val_fraction}|{tokenizer.fingerprint}".encode()).hexdigest()[:20]
-    cache = cfg.cache_path / "tokens" / f"{key}.npz"
-    if cache.is_file():
-        with np.load(cache) as arrays:
-            train_tokens, val_tokens = arrays["train"], arrays["val"]
+    def tokenizer_texts():
+        if single:  # the held-out tail of a lone document stays out of the tokenizer too
+            text = docs[0].text
+            return iter([text[: int(len(text) * (1 - cfg.val_fraction))]])
+        return (d.text for d in train_docs)
+
+    tokenizer = get_tokenizer(
+        cfg, vocab_size=vocab_size, log=log,
+        corpus_fingerprint=hashlib.sha256(f"{content}|{cfg.val_fraction}".encode()).hexdigest(), texts=tokenizer_texts,
+    )
+
+    key = hashlib.sha256(f"{CACHE_FORMAT}|{content}|{cfg.val_fraction}|{tokenizer.fingerprint}".encode()).hexdigest()[:24]
+    cache = cfg.cache_path / "tokens"
+    train_path, val_path = cache / f"{key}.train.npy", cache / f"{key}.val.npy"
+    cached = _load_cached(train_path, val_path)
+    if cached is not None:
+        train_tokens, val_tokens = cached
         how = "cached"
     else:
         train_tokens = pack_documents((d.text for d in train_docs), tokenizer)
-        if val_docs:
-            val_tokens = pack_documents((d.text for d in val_docs), tokenizer)
-        else:  # one document: hold out its last 5 %
-            cut = int(len(train_tokens) * (1 - max(cfg.val_fraction, 0.05)))
+        if single:
+            cut = int(len(train_tokens) * (1 - cfg.val_fraction))
             train_tokens, val_tokens = train_tokens[:cut], train_tokens[cut:]
-            log("data: a single document; its last 5 % of tokens is the validation split")
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_name(f"{cache.stem}.tmp{os.getpid()}.npz")
-        np.savez(tmp, train=train_tokens, val=val_tokens)
-        os.replace(tmp, cache)
-        how = "tokenised"
-    log(f"data: {cfg.source} corpus, {len(train_docs)} train / {len(val_docs)} validation documents, "
-        f"{len(train_tokens):,} / {len(val_tokens):,} tokens ({how})")
+        else:
+            val_tokens = pack_documents((d.text for d in val_docs), tokenizer)
+        cache.mkdir(parents=True, exist_ok=True)
+        _save_npy(val_path, val_tokens)  # val first: a build reads the cache only when both files exist
+        _save_npy(train_path, train_tokens)
+        how = f"tokenised; saved to {cache}"
+    if single:
+        log(f"data: a single document; its last {cfg.val_fraction:.0%} of tokens is the validation split")
+    log(
+        f"data: {cfg.source} corpus, {len(train_docs)} train / {len(val_docs)} validation documents, "
+        f"{len(train_tokens):,} / {len(val_tokens):,} tokens ({how})"
+    )
     train, val = PackedDataset(train_tokens, cfg.seq_len), PackedDataset(val_tokens, cfg.seq_len)
+    if len(train) < 1:
+        raise ConfigError(
+            f"data.seq_len: the training split has {len(train_tokens)} tokens, fewer than one sequence of "
+            f"data.seq_len + 1 = {cfg.seq_len + 1}; lower data.seq_len or add data"
+        )
     if len(val) < 1:
         raise ConfigError(
             f"data.val_fraction: the validation split has {len(val_tokens)} tokens, fewer than one sequence of "
             f"data.seq_len + 1 = {cfg.seq_len + 1}; raise data.val_fraction or lower data.seq_len"
         )
-    fingerprint = hashlib.sha256(f"{key}|{cfg.seq_len}".encode()).hexdigest()[:20]
-    return Corpus(tokenizer, train, val, fingerprint, unigram_entropy(train_tokens, tokenizer.vocab_size), (len(train_docs), len(val_docs)))
+    fingerprint = hashlib.sha256(f"{key}|{cfg.seq_len}".encode()).hexdigest()[:24]
+    return Corpus(
+        tokenizer=tokenizer, train=train, val=val, fingerprint=fingerprint,
+        unigram_entropy=unigram_entropy(train_tokens, tokenizer.vocab_size),
+        num_documents=(len(train_docs), len(val_docs)),
+    )

@@ -9,6 +9,7 @@ from pathlib import Path
 from model.errors import ConfigError, check_choice, check_min, check_range
 
 SOURCES = ("embedded", "local")
+MIN_TRAINED_VOCAB = 3 + 256 + 1  # <unk> <s> </s> + byte-fallback pieces + "\n"; real corpora need ~100 more
 
 
 @dataclass
@@ -27,6 +28,10 @@ class DataConfig:
         check_min("data.seq_len", self.seq_len, 1)
         check_range("data.val_fraction", self.val_fraction, 0.0, 1.0, open_low=True, open_high=True)
         check_min("data.vocab_size", self.vocab_size, 0, note=" (0 = model.vocab_size)")
+        if self.tokenizer == "train" and 0 < self.vocab_size < MIN_TRAINED_VOCAB:
+            raise ConfigError(f"data.vocab_size: {self.vocab_size} is too small for a trained tokenizer; must be 0 (= model.vocab_size) or >= {MIN_TRAINED_VOCAB}")
+        if not self.text_field:
+            raise ConfigError("data.text_field: must name the jsonl field / parquet column holding the text, got ''")
         if self.source == "local":
             from data.sources import resolve_paths
 

@@ -9,7 +9,7 @@ and the whole loader state is the number of sequences consumed.
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -23,6 +23,13 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 
 class BatchLoader:
     def __init__(self, dataset, *, batch_size: int, micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
+        for name, value in (("train.batch_size", batch_size), ("train.micro_batch_size", micro_batch_size), ("world size", world_size)):
+            if value < 1:
+                raise ConfigError(f"{name}: must be >= 1, got {value}")
+        if seed < 0:  # numpy's seed sequences take non-negative integers only
+            raise ConfigError(f"train.seed: must be >= 0, got {seed}")
+        if not 0 <= rank < world_size:
+            raise ConfigError(f"rank: {rank} is outside [0, world size {world_size})")
         if batch_size % (micro_batch_size * world_size):
             raise ConfigError(
                 f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world size ({world_size})"
@@ -56,15 +63,15 @@ class BatchLoader:
         return [self.dataset.batch(indices[i : i + m]) for i in range(0, per_rank, m)]
 
     def state_dict(self) -> dict:
-        return {"consumed": self.consumed, "seed": self.seed, "num_sequences": len(self.dataset), "shuffle": self.shuffle}
+        return {"consumed": self.consumed, "seed": self.seed, "num_sequences": len(self.dataset), "shuffle": int(self.shuffle)}
 
     def load_state_dict(self, state: dict) -> None:
         if state["num_sequences"] != len(self.dataset):
             raise ConfigError(
-                f"data: the training split has {len(self.dataset)} sequences but the checkpoint's loader had {state['num_sequences']}; "
-                "the data or data.seq_len changed"
+                f"data.seq_len: the training split has {len(self.dataset)} sequences but the checkpoint's loader had "
+                f"{state['num_sequences']}; the data or data.seq_len changed"
             )
-        if state["seed"] != self.seed or state["shuffle"] != self.shuffle:
+        if state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
             raise ConfigError(f"train.seed: the checkpoint's data order used seed {state['seed']}, this run {self.seed}")
         self.consumed = int(state["consumed"])
 

@@ -1,20 +1,23 @@
-"""Documents from local files (txt, jsonl, parquet; files, folders or globs) or the embedded corpus.
+"""Documents from local files (txt, jsonl, parquet; a file, a folder or a glob) or the embedded corpus.
 
 Text is decoded as UTF-8 with an optional BOM, and CRLF / CR line endings become LF, so
-Windows-saved files and Gutenberg texts tokenise like any other.
+Windows-saved files and Gutenberg texts tokenise like any other. Document ids are paths
+relative to the folder (or the glob's fixed prefix) the user named, so the train /
+validation split, which hashes ids, does not change when the corpus moves.
 """
 
 from __future__ import annotations
 
 import glob
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 from model.errors import ConfigError
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
+_GLOB_CHARS = "*?["
 
 
 @dataclass(frozen=True)
@@ -23,34 +26,65 @@ class Document:
     text: str
 
 
-def normalise_text(raw: bytes | str) -> str:
-    text = raw.decode("utf-8-sig") if isinstance(raw, bytes) else raw.removeprefix("\ufeff")
+def normalise_text(raw: bytes | str, *, where: str = "") -> str:
+    """UTF-8 (BOM stripped) with LF line endings."""
+    if isinstance(raw, bytes):
+        try:
+            text = raw.decode("utf-8-sig")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"data.path: {where or 'a document'} is not UTF-8 text (invalid byte at offset {exc.start})") from None
+    else:
+        text = raw.removeprefix("\ufeff")
     return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _is_glob(path: str) -> bool:
+    return any(ch in path for ch in _GLOB_CHARS)
+
+
+def _root(path: str) -> Path:
+    """The folder document ids are relative to: the folder itself, a file's parent, a glob's fixed prefix."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return p
+    if _is_glob(path):
+        fixed = []
+        for part in p.parts:
+            if _is_glob(part):
+                break
+            fixed.append(part)
+        return Path(*fixed) if fixed else Path(".")
+    return p.parent
 
 
 def resolve_paths(path: str) -> list[Path]:
     """A file, a folder (searched recursively) or a glob -> the data files it names, sorted."""
     p = Path(path).expanduser()
+    allowed = "a file, folder or glob of .txt, .jsonl or .parquet"
     if p.is_file():
         if p.suffix not in EXTENSIONS:
             raise ConfigError(f"data.path: {path!r} is not a .txt, .jsonl or .parquet file")
         return [p]
     if p.is_dir():
         files = [f for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS]
-    else:
+    elif _is_glob(path):
         files = [Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file() and Path(f).suffix in EXTENSIONS]
+    else:
+        raise ConfigError(f"data.path: {path!r} does not exist; expected {allowed}")
     if not files:
-        what = "does not exist" if not any(ch in path for ch in "*?[") and not p.exists() else "matches no data files"
-        raise ConfigError(f"data.path: {path!r} {what}; expected a file, folder or glob of .txt, .jsonl or .parquet")
+        raise ConfigError(f"data.path: {path!r} matches no data files; expected {allowed}")
     return sorted(files)
 
 
-def _read_txt(path: Path, root: Path) -> Iterator[Document]:
-    yield Document(str(path.relative_to(root)) if path.is_relative_to(root) else str(path), normalise_text(path.read_bytes()))
+def _doc_name(path: Path, root: Path) -> str:
+    return path.relative_to(root).as_posix() if path.is_relative_to(root) else path.as_posix()
 
 
-def _read_jsonl(path: Path, root: Path, field: str) -> Iterator[Document]:
-    name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
+def _read_txt(path: Path, name: str) -> Iterator[Document]:
+    yield Document(name, normalise_text(path.read_bytes(), where=str(path)))
+
+
+def _read_jsonl(path: Path, name: str, field: str) -> Iterator[Document]:
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -64,32 +98,40 @@ def _read_jsonl(path: Path, root: Path, field: str) -> Iterator[Document]:
             yield Document(f"{name}:{lineno}", normalise_text(record[field]))
 
 
-def _read_parquet(path: Path, root: Path, field: str) -> Iterator[Document]:
+def _read_parquet(path: Path, name: str, field: str) -> Iterator[Document]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    name = str(path.relative_to(root)) if path.is_relative_to(root) else str(path)
-    pf = pq.ParquetFile(path)
-    if field not in pf.schema_arrow.names:
-        raise ConfigError(f"data.text_field: {path} has no column {field!r} (columns: {', '.join(pf.schema_arrow.names)})")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as exc:
+        raise ConfigError(f"data.path: {path} is not a readable parquet file ({exc.__class__.__name__})") from None
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise ConfigError(f"data.text_field: {path} has no column {field!r} (columns: {', '.join(schema.names)})")
+    kind = schema.field(field).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ConfigError(f"data.text_field: column {field!r} of {path} holds {kind}, not strings")
     row = 0
     for batch in pf.iter_batches(columns=[field]):
         for text in batch.column(0).to_pylist():
-            if text is not None:
+            if text is not None:  # null rows are skipped; ids keep the row number
                 yield Document(f"{name}:{row}", normalise_text(text))
             row += 1
 
 
 def iter_local(path: str, text_field: str = "text") -> Iterator[Document]:
+    """Documents of every data file ``path`` names, files in sorted order."""
     files = resolve_paths(path)
-    p = Path(path).expanduser()
-    root = p if p.is_dir() else p.parent
+    root = _root(path)
     for f in files:
+        name = _doc_name(f, root)
         if f.suffix == ".txt":
-            yield from _read_txt(f, root)
+            yield from _read_txt(f, name)
         elif f.suffix == ".jsonl":
-            yield from _read_jsonl(f, root, text_field)
+            yield from _read_jsonl(f, name, text_field)
         else:
-            yield from _read_parquet(f, root, text_field)
+            yield from _read_parquet(f, name, text_field)
 
 
 def iter_documents(cfg) -> Iterator[Document]:

@@ -12,12 +12,16 @@ import io
 import os
 import shutil
 import sys
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Sequence
 
+from data.config import MIN_TRAINED_VOCAB
 from model.errors import ConfigError
 
-EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>")
+EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
+BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
+MODEL_TYPES = ("bpe", "unigram")
+TRAIN_THREADS = 2  # fixed, so a trained model does not depend on the machine
 
 
 def file_fingerprint(path: Path) -> str:
@@ -30,12 +34,9 @@ class Tokenizer:
     vocab_size: int
     eos_id: int
     bos_id: int | None
+    fingerprint: str  # sha256 of the tokenizer file's bytes, taken when it was loaded
     path: Path
-    file_name: str
-
-    @property
-    def fingerprint(self) -> str:
-        return file_fingerprint(self.path)
+    file_name: str  # the name save() gives the file
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -48,9 +49,11 @@ class Tokenizer:
 
     def save(self, directory: Path) -> Path:
         """Copy the tokenizer file into ``directory`` (atomically) and return its path."""
-        dst = Path(directory) / self.file_name
-        if dst.resolve() != self.path.resolve():
-            tmp = dst.with_name(dst.name + ".tmp")
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        dst = directory / self.file_name
+        if not (dst.exists() and dst.resolve() == self.path.resolve()):
+            tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
             shutil.copyfile(self.path, tmp)
             os.replace(tmp, dst)
         return dst
@@ -63,7 +66,13 @@ class SentencePieceTokenizer(Tokenizer):
         import sentencepiece as spm
 
         self.path = Path(path)
-        self.sp = spm.SentencePieceProcessor(model_file=str(self.path))
+        data = self.path.read_bytes()
+        self.sp = spm.SentencePieceProcessor()
+        try:
+            self.sp.LoadFromSerializedProto(data)
+        except (RuntimeError, OSError) as exc:
+            raise ConfigError(f"data.tokenizer: {path} is not a valid SentencePiece model ({exc})") from None
+        self.fingerprint = hashlib.sha256(data).hexdigest()
         self.vocab_size = self.sp.get_piece_size()
         self.eos_id = self.sp.eos_id()
         self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
@@ -77,7 +86,7 @@ class SentencePieceTokenizer(Tokenizer):
         return self.sp.encode(texts, num_threads=os.cpu_count() or 1)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.sp.decode(list(ids))
+        return self.sp.decode([int(i) for i in ids])
 
 
 class HFTokenizer(Tokenizer):
@@ -87,14 +96,19 @@ class HFTokenizer(Tokenizer):
         from tokenizers import Tokenizer as HFTok
 
         self.path = Path(path)
-        self.tok = HFTok.from_file(str(self.path))
+        data = self.path.read_bytes()
+        try:
+            self.tok = HFTok.from_str(data.decode("utf-8"))
+        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for any parse error
+            raise ConfigError(f"data.tokenizer: {path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+        self.fingerprint = hashlib.sha256(data).hexdigest()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        ids = [self.tok.token_to_id(t) for t in EOS_CANDIDATES]
-        found = [i for i in ids if i is not None]
-        if not found:
+        eos = [i for i in map(self.tok.token_to_id, EOS_CANDIDATES) if i is not None]
+        if not eos:
             raise ConfigError(f"data.tokenizer: {path} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}")
-        self.eos_id = found[0]
-        self.bos_id = self.tok.token_to_id("<s>")
+        self.eos_id = eos[0]
+        bos = [i for i in map(self.tok.token_to_id, BOS_CANDIDATES) if i is not None]
+        self.bos_id = bos[0] if bos else None
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False).ids
@@ -103,13 +117,14 @@ class HFTokenizer(Tokenizer):
         return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=False)]
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=False)
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
+    """``.model`` -> SentencePiece, ``.json`` -> Hugging Face ``tokenizers``."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise ConfigError(f"data.tokenizer: no such file {str(path)!r}")
+        raise ConfigError(f"data.tokenizer: no such file {str(path)!r} (expected 'train', a SentencePiece .model or a tokenizer.json)")
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     if path.suffix == ".json":
@@ -123,75 +138,99 @@ SP_SETTINGS = dict(
     remove_extra_whitespaces=False,
     add_dummy_prefix=False,  # decode(encode(x)) == x, and documents concatenate cleanly
     split_digits=True,
-    allow_whitespace_only_pieces=True,
+    allow_whitespace_only_pieces=True,  # runs of spaces (indentation) become pieces
     unk_id=0,
     bos_id=1,
     eos_id=2,
     pad_id=-1,
-    user_defined_symbols=["\n"],  # one token per newline rather than a byte fallback
+    # SentencePiece treats its input as lines and would never see "\n"; as a user-defined
+    # symbol a newline is one piece and is kept by encode / decode.
+    user_defined_symbols=["\n"],
     max_sentence_length=1 << 16,
-    input_sentence_size=2_000_000,
+    # A cap on training lines keeps big corpora fast; the sample is reservoir-drawn with a fixed seed.
+    input_sentence_size=1_000_000,
     shuffle_input_sentence=True,
-    seed_sentencepiece_size=200_000,
 )
 
 
 def _training_lines(texts: Iterable[str]) -> Iterable[str]:
-    # SentencePiece learns from "sentences"; paragraphs keep pieces spanning newlines out,
-    # which the "\n" symbol then covers.
+    # One training "sentence" per non-blank line: no piece spans a newline, which the "\n" symbol covers.
     for text in texts:
-        for paragraph in text.split("\n"):
-            if paragraph.strip():
-                yield paragraph
+        for line in text.split("\n"):
+            if line.strip():
+                yield line
 
 
 def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, out_path: Path, model_type: str = "bpe") -> Path:
+    """Train a SentencePiece model on ``texts`` and write it (atomically) to ``out_path``."""
     import sentencepiece as spm
 
-    if model_type not in ("bpe", "unigram"):
-        raise ConfigError(f"--model-type: {model_type!r} is not one of bpe, unigram")
+    if model_type not in MODEL_TYPES:
+        raise ConfigError(f"--model-type: {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
+    if vocab_size < MIN_TRAINED_VOCAB:
+        raise ConfigError(f"data.vocab_size: {vocab_size} is too small for a trained tokenizer; must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + specials)")
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
+    spm.set_random_generator_seed(0)  # the input sample is the same on every run
     try:
         spm.SentencePieceTrainer.train(
             sentence_iterator=iter(_training_lines(texts)),
             model_writer=model,
             vocab_size=vocab_size,
             model_type=model_type,
-            num_threads=os.cpu_count() or 1,
+            num_threads=TRAIN_THREADS,
             minloglevel=2,
             **SP_SETTINGS,
         )
     except RuntimeError as exc:
-        raise ConfigError(f"data.vocab_size: SentencePiece could not train {vocab_size} pieces on this corpus ({exc})") from None
-    tmp = out_path.with_name(out_path.name + f".tmp{os.getpid()}")
+        reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
+        raise ConfigError(f"data.vocab_size: SentencePiece could not train {vocab_size} pieces on this text ({reason})") from None
+    tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)
     return out_path
 
 
-def get_tokenizer(cfg, *, vocab_size: int, corpus_fingerprint: str, texts: Callable[[], Iterable[str]], log: Callable[[str], None] = print) -> Tokenizer:
-    """``cfg.tokenizer`` = a path: load it. ``train``: a SentencePiece BPE on ``texts()``, cached by
-    a hash of the corpus, the settings and the SentencePiece version."""
+def trained_tokenizer_key(corpus_fingerprint: str, vocab_size: int, model_type: str = "bpe") -> str:
+    """Cache key of a trained tokenizer: the corpus, every training setting and the library version."""
+    import sentencepiece as spm
+
+    settings = sorted({**SP_SETTINGS, "model_type": model_type, "vocab_size": vocab_size}.items())
+    return hashlib.sha256(f"{corpus_fingerprint}|{settings}|{spm.__version__}".encode()).hexdigest()[:24]
+
+
+def get_tokenizer(
+    cfg, *, vocab_size: int, corpus_fingerprint: str, texts: Callable[[], Iterable[str]], log: Callable[[str], None] = print
+) -> Tokenizer:
+    """``cfg.tokenizer`` a path: load it. ``"train"``: a SentencePiece BPE with ``cfg.vocab_size or
+    vocab_size`` pieces on ``texts()``, cached under ``cache_dir/tokenizers``."""
     if cfg.tokenizer != "train":
         tok = load_tokenizer(cfg.tokenizer)
+        if tok.vocab_size > vocab_size:
+            raise ConfigError(
+                f"model.vocab_size: {vocab_size} is smaller than the {tok.vocab_size} tokens of data.tokenizer ({cfg.tokenizer})"
+            )
+        return tok
+    size = cfg.vocab_size or vocab_size
+    if size > vocab_size:
+        raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {size} tokens (data.vocab_size)")
+    path = cfg.cache_path / "tokenizers" / f"{trained_tokenizer_key(corpus_fingerprint, size)}.model"
+    if path.is_file():
+        log(f"tokenizer: cached SentencePiece BPE, {size} pieces ({path})")
     else:
-        import sentencepiece as spm
+        log(f"tokenizer: training SentencePiece BPE with {size} pieces ...")
+        train_sentencepiece(texts(), vocab_size=size, out_path=path)
+        log(f"tokenizer: saved {path}")
+    return SentencePieceTokenizer(path)
 
-        size = cfg.vocab_size or vocab_size
-        key = hashlib.sha256(f"{corpus_fingerprint}|bpe|{size}|{sorted(SP_SETTINGS.items())}|{spm.__version__}".encode()).hexdigest()[:20]
-        path = cfg.cache_path / "tokenizers" / f"{key}.model"
-        if path.is_file():
-            log(f"tokenizer: cached SentencePiece BPE ({size} pieces) {path}")
-        else:
-            log(f"tokenizer: training SentencePiece BPE with {size} pieces ...")
-            train_sentencepiece(texts(), vocab_size=size, out_path=path)
-            log(f"tokenizer: saved {path}")
-        tok = SentencePieceTokenizer(path)
-    if tok.vocab_size > vocab_size:
-        raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {tok.vocab_size} tokens (data.tokenizer={cfg.tokenizer})")
-    return tok
+
+# ---- command line -------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse's default also prints the usage)
+        self.exit(2, f"error: {self.prog}: {message}\n")
 
 
 def _read_inputs(paths: list[str]) -> Iterable[str]:
@@ -203,19 +242,21 @@ def _read_inputs(paths: list[str]) -> Iterable[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m data.tokenizer", description="Train or apply a tokenizer.")
-    sub = p.add_subparsers(dest="cmd", required=True)
+    p = _Parser(prog="python -m data.tokenizer", description="Train or apply a tokenizer.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     t = sub.add_parser("train", help="train a SentencePiece model (byte fallback) on text files")
     t.add_argument("--input", nargs="+", required=True, help="files, folders or globs of .txt / .jsonl / .parquet")
     t.add_argument("--vocab-size", type=int, required=True)
-    t.add_argument("--model-type", default="bpe", choices=("bpe", "unigram"))
+    t.add_argument("--model-type", default="bpe", choices=MODEL_TYPES)
     t.add_argument("--out", required=True, help="output .model path")
-    e = sub.add_parser("encode", help="print the token ids of a text")
+    e = sub.add_parser("encode", help="print the token ids of a text, space-separated")
     e.add_argument("--tokenizer", required=True, help="a SentencePiece .model or a tokenizer.json")
     e.add_argument("--text", required=True)
     args = p.parse_args(argv)
     try:
         if args.cmd == "train":
+            if not args.out.endswith(".model"):
+                raise ConfigError(f"--out: {args.out!r} must end in .model")
             out = train_sentencepiece(_read_inputs(args.input), vocab_size=args.vocab_size, out_path=Path(args.out), model_type=args.model_type)
             print(f"saved {out} ({SentencePieceTokenizer(out).vocab_size} pieces)")
         else:

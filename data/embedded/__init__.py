@@ -1,22 +1,28 @@
 """The embedded default corpus: 42 public-domain Shakespeare plays (see SOURCES.md).
 
 Shipped as one xz-compressed tar inside the package, so the demo works on a fresh
-install with no network and nothing beside the repository.
+install with no network and nothing beside the installed package.
 """
 
 from __future__ import annotations
 
 import tarfile
+from collections.abc import Iterator
 from importlib import resources
-from typing import Iterator
 
 from data.sources import Document, normalise_text
 
 ARCHIVE = "shakespeare_plays.tar.xz"
+PLAY_SUFFIX = "_gut.txt"  # metadata.txt (the catalogue) sits beside the plays and is not a document
 
 
 def iter_embedded() -> Iterator[Document]:
-    with resources.as_file(resources.files(__package__) / ARCHIVE) as path, tarfile.open(path, "r:xz") as tar:
-        members = sorted((m for m in tar.getmembers() if m.isfile() and m.name.endswith("_gut.txt")), key=lambda m: m.name)
-        for member in members:
-            yield Document(member.name.rsplit("/", 1)[-1].removesuffix(".txt"), normalise_text(tar.extractfile(member).read()))
+    """The plays sorted by file name; a play's id is its file stem, e.g. ``hamlet_gut``."""
+    plays: dict[str, bytes] = {}
+    # Read in archive order ("r|xz" streams): seeking back in an xz stream re-decompresses it from the start.
+    with resources.as_file(resources.files(__package__) / ARCHIVE) as path, tarfile.open(path, "r|xz") as tar:
+        for member in tar:
+            if member.isfile() and member.name.endswith(PLAY_SUFFIX):
+                plays[member.name.rsplit("/", 1)[-1].removesuffix(".txt")] = tar.extractfile(member).read()
+    for name in sorted(plays):
+        yield Document(name, normalise_text(plays[name], where=f"{ARCHIVE}:{name}"))
