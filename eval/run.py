@@ -115,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="1,2,4,8", help="ppl_length: multiples of the training length")
     p.add_argument("--max-tokens", type=int, default=16384, help="ppl_length: held-out tokens scored at every length")
     p.add_argument("--device", default="auto")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override the checkpoint's model config, e.g. --set model.attention.focus.mode=hard")
     args = p.parse_args(argv)
     try:
         tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         from pretrain.engine import resolve_device
 
         device = resolve_device(args.device)
-        model, cfg = load_model(path, device=device)
+        model, cfg = load_model(path, device=device, overrides=args.set)
         tokenizer = load_tokenizer(_tokenizer_file(path))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

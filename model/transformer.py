@@ -129,6 +129,31 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.core.collect_stats = enabled
 
+    def set_train_progress(self, step: int, max_steps: int) -> None:
+        """Tell variants with step-dependent settings (Focus's lambda schedule) where training is."""
+        for block in self.blocks:
+            hook = getattr(block.attn.core, "set_train_progress", None)
+            if hook is not None:
+                hook(step, max_steps)
+
+    @torch.no_grad()
+    def reference_batch_stats(self, idx: Tensor) -> dict[str, Tensor]:
+        """Statistics a variant measures on a fixed batch across log steps (Focus: assignment
+        stability). An eval-mode forward, only when some layer asks for it."""
+        cores = [block.attn.core for block in self.blocks if getattr(block.attn.core, "uses_reference_batch", False)]
+        if not cores:
+            return {}
+        was_training = self.training
+        self.eval()
+        for core in cores:
+            core.reference_batch = True
+        try:
+            return self(idx, return_logits=False).stats
+        finally:
+            for core in cores:
+                core.reference_batch = False
+            self.train(was_training)
+
     def new_caches(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> list[KVCache]:
         ref = self.tok_emb.weight
         return [

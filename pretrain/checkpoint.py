@@ -153,21 +153,35 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def load_weights(model, path: Path, *, device: torch.device | str = "cpu") -> None:
-    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not)."""
+def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:
+    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not).
+
+    ``new_attention_ok``: a retrofit (full-attention weights into a Focus model, say) may lack the
+    attention variant's own parameters (``*.core.*``); they keep their initialisation. Anything
+    else missing or unexpected is still an error.
+    """
     from safetensors.torch import load_model as load_safetensors
 
+    from model.errors import ConfigError
+
     try:
-        load_safetensors(model, str(Path(path) / MODEL_FILE), device=str(device))
+        missing, unexpected = load_safetensors(model, str(Path(path) / MODEL_FILE), strict=False, device=str(device))
     except RuntimeError as exc:
-        from model.errors import ConfigError
-
         raise ConfigError(f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})") from None
+    missing = [name for name in missing if not (new_attention_ok and ".core." in name)]
+    if missing or unexpected:
+        detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise ConfigError(f"model: the weights in {path} do not fit this model config ({detail})")
 
 
-def load_model(path: Path, *, device: torch.device | str = "cpu"):
-    """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights."""
+def load_model(path: Path, *, device: torch.device | str = "cpu", overrides: list[str] = ()):
+    """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights.
+
+    ``overrides`` are ``--set`` assignments applied to the saved config before the model is built,
+    e.g. ``model.attention.focus.mode=hard`` to evaluate a soft-trained Focus model sparsely.
+    """
     from model.transformer import build_model
+    from pretrain import configlib
     from pretrain.config import run_config_from_dict
 
     import tomllib
@@ -175,7 +189,10 @@ def load_model(path: Path, *, device: torch.device | str = "cpu"):
     path = Path(path)
     if not (path / MODEL_FILE).is_file():
         raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
-    cfg = run_config_from_dict(tomllib.loads(load_trainer_state(path)["config"]))
+    data = tomllib.loads(load_trainer_state(path)["config"])
+    for assignment in overrides:
+        configlib.apply_override(data, assignment)
+    cfg = run_config_from_dict(data)
     model = build_model(cfg.model, device=device)
     load_weights(model, path, device=device)
     return model.eval(), cfg

@@ -48,6 +48,11 @@ class TrainConfig:
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
     # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
     init_from: str = ""
+    # parameter freezing by name pattern (pretrain/freezing.py): trainable = only these train;
+    # freeze = these do not; unfreeze_at = from this step on everything trains (two-phase recipes)
+    trainable: list[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)
+    unfreeze_at: int = 0
 
     def validate(self) -> None:
         from pretrain.engine import ENGINES  # the engine registry is the one list of engines
@@ -55,7 +60,7 @@ class TrainConfig:
         check_choice("train.engine", self.engine, ENGINES)
         for name in ("max_steps", "batch_size", "log_every"):
             check_min(f"train.{name}", getattr(self, name), 1)
-        for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage"):
+        for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage", "unfreeze_at"):
             check_min(f"train.{name}", getattr(self, name), 0)
         if self.stop_at > self.max_steps:
             raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")

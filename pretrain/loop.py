@@ -24,6 +24,7 @@ from model.transformer import build_model
 from pretrain import checkpoint as ckpt
 from pretrain.config import RunConfig
 from pretrain.engine import Engine, build_engine, resolve_device
+from pretrain.freezing import apply_trainable, check_patterns
 from pretrain.loggers import Loggers, Stopwatch, format_duration
 from pretrain.metrics import memory_gib, peak_flops
 from pretrain.signals import PREEMPTED_EXIT_CODE, PreemptionHandler
@@ -67,6 +68,8 @@ class Trainer:
         seed_everything(cfg.train.seed)
         self.corpus: Corpus = build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=self._say)
         self.model = build_model(cfg.model, device=self.device)
+        check_patterns(self.model, cfg.train)
+        self._apply_trainable()
         self.engine: Engine = build_engine(self.model, cfg.train, self.device)
         world = self.engine.world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
@@ -82,6 +85,18 @@ class Trainer:
             _atomic_write(self.run_dir / "config.toml", cfg.to_toml())
         self.loggers = Loggers(self.run_dir, cfg.log, run_name=cfg.run.name or self.run_dir.name, config=cfg.to_dict(), enabled=self.engine.is_main)
         self._restore()
+
+    def _apply_trainable(self) -> None:
+        counts = apply_trainable(self.model, self.cfg.train, self.step)
+        if counts is not None:
+            self._say(f"step {self.step}: training {counts[0]:,} of {counts[1]:,} parameters")
+
+    def _reference_batch(self) -> torch.Tensor:
+        """A fixed validation batch for statistics tracked across log steps (Focus stability)."""
+        if getattr(self, "_ref_batch", None) is None:
+            batch = next(eval_batches(self.corpus.val, batch_size=self.eval_batch_size, max_batches=1))
+            self._ref_batch = batch[:, :-1].to(self.device)
+        return self._ref_batch
 
     def _say(self, line: str) -> None:
         if getattr(self, "engine", None) is None or self.engine.is_main:
@@ -108,7 +123,7 @@ class Trainer:
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
             raise ConfigError(f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to {path / 'tokenizer.model'}")
-        ckpt.load_weights(self.model, path, device=self.device)
+        ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
         self._say(f"initialised weights from {path} (step {state['step']})")
 
     def _restore(self) -> None:
@@ -154,6 +169,8 @@ class Trainer:
     def train_step(self, log_step: bool) -> dict:
         """One optimizer step. Values stay on the device (no host sync) unless this is a logging step."""
         self.model.set_collect_stats(log_step)
+        self.model.set_train_progress(self.step, self.cfg.train.max_steps)
+        self._apply_trainable()
         micro = self.loader.next_step()
         n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro)
         n_global = int(self.engine.all_reduce_sum(torch.tensor(float(n_local), device=self.device)))
@@ -175,6 +192,8 @@ class Trainer:
         record = {"step": self.step, "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global, "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens}
         if aux_sum is not None:
             record["aux_loss"] = float(aux_sum)
+        with self.engine.autocast():
+            stats.update(self.model.reference_batch_stats(self._reference_batch()))
         record.update({k: float(v) for k, v in stats.items()})
         return record
 

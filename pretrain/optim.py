@@ -20,7 +20,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     no_decay_ids |= {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "no_weight_decay", ())}
     decay, no_decay, seen = [], [], set()
     for _, p in model.named_parameters():
-        if not p.requires_grad or id(p) in seen:
+        if id(p) in seen:  # frozen parameters stay in: no gradient means AdamW leaves them untouched
             continue
         seen.add(id(p))
         (decay if p.dim() >= 2 and id(p) not in no_decay_ids else no_decay).append(p)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, register_attention
+from model.attention.flex import flex_attention_fn, flex_available
 from model.errors import check_choice, check_min
 
 BIAS_INITS = ("zeros", "alibi")
@@ -88,12 +89,12 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return q.is_cuda and _flex_available()
+        return q.is_cuda and flex_available()
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         from torch.nn.attention.flex_attention import create_block_mask
 
-        flex = _flex(q.is_cuda)
+        flex = flex_attention_fn(q.is_cuda)
         tq, tk = q.shape[2], k.shape[2]
         bias, tau, last = self.distance_bias, self.tau, self.table - 1
         q_pos = q_pos.to(q.device)
@@ -119,26 +120,3 @@ class LazyAttention(Attention):
         # sink ratio and density need the dense weights: the reference path and eval.run attention_stats give them
         stats = {"tau": self.tau.mean().detach()} if self.collect_stats else {}
         return AttnOut((out2.nan_to_num(0.0) * weight[..., None].to(out2.dtype)).to(q.dtype), stats=stats)
-
-
-def _flex_available() -> bool:
-    try:
-        import torch.nn.attention.flex_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-_COMPILED_FLEX = None
-
-
-def _flex(compiled: bool):
-    """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests)."""
-    global _COMPILED_FLEX
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not compiled:
-        return flex_attention
-    if _COMPILED_FLEX is None:
-        _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED_FLEX

@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.conftest import REPO
 
@@ -206,6 +207,7 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
     [
         ("focal", {"model.attention.focal.mode": "learned"}, {"attn/focal/tau"}),
         ("lazy", {"model.rope.theta": 500000.0}, {"attn/lazy/sink_ratio", "attn/lazy/density", "attn/lazy/tau"}),
+        ("focus", {"model.attention.focus.window": 16}, {f"attn/focus/{n}" for n in ("max_group_share", "confidence", "entropy", "imbalance", "lambda", "gate_distant", "stability")}),
     ],
 )
 def test_variants_train_through_the_cli_and_log_their_statistics(tmp_path, cache_dir, kind, extra, stats):
@@ -244,3 +246,49 @@ def test_context_extension_continues_a_checkpoint_and_reports_perplexity_by_leng
 def test_init_from_with_another_tokenizer_is_refused(reference_run, tmp_path, cache_dir):
     proc = train(overrides(tmp_path / "x", cache_dir, **{"train.init_from": str(reference_run), "data.vocab_size": 500}))
     assert proc.returncode == 2 and proc.stderr.strip().startswith("error: data.tokenizer: does not match the tokenizer of")
+
+
+def _tensors(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, cache_dir):
+    """Full-attention weights -> Focus, training only W_g, C (lambda on a schedule): every other
+    parameter stays bitwise unchanged; with train.unfreeze_at the rest trains from that step."""
+    base = {
+        "train.init_from": str(reference_run), "data.tokenizer": str(reference_run / "tokenizer.model"),
+        "model.attention.kind": "focus", "model.attention.focus.window": 16,
+        "model.attention.focus.lambda_schedule": "linear", "model.attention.focus.lambda_learnable": False,
+        "train.trainable": "*.core.*", "train.max_steps": 3, "checkpoint.every": 0, "eval.every": 0,
+    }
+    pretrained = _tensors(reference_run / "checkpoints" / "step_00000040")
+    run_dir = tmp_path / "centroids"
+    proc = train(overrides(run_dir, cache_dir, **base))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 0: training " in proc.stdout
+    after = _tensors(run_dir / "checkpoints" / "step_00000003")
+    core = {k for k in after if ".core." in k}
+    assert core and all(k.endswith(("w_g.weight", "centroids", "lam")) for k in core)
+    for name, tensor in pretrained.items():
+        assert torch.equal(after[name], tensor), f"{name} was frozen but changed"
+    assert [round(losses(run_dir)[s]["attn/focus/lambda"], 4) for s in (1, 2, 3)] == [2.0, 8.6667, 12.0], "2 -> 12 over half the steps"
+
+    out = tmp_path / "hard.json"
+    ev = subprocess.run(
+        [sys.executable, "-m", "eval.run", "--run", str(run_dir), "--tasks", "ppl,attention_stats,sample", "--max-new-tokens", "8", "--out", str(out),
+         "--set", "model.attention.focus.mode=hard", "--set", "model.attention.focus.top_k=2"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+    )
+    assert ev.returncode == 0, ev.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert 0 < result["attention_stats"]["attn/focus/pairs_kept"] < 1 and result["ppl"]["loss"] > 0
+
+    two_phase = tmp_path / "two_phase"
+    proc = train(overrides(two_phase, cache_dir, **base, **{"train.unfreeze_at": 2}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2: training " in proc.stdout
+    after = _tensors(two_phase / "checkpoints" / "step_00000003")
+    assert not torch.equal(after["blocks.0.attn.wq.weight"], pretrained["blocks.0.attn.wq.weight"])
+    assert "error: train.trainable: pattern" in train(overrides(tmp_path / "bad", cache_dir, **{**base, "train.trainable": "*.core.nothing"})).stderr

@@ -1,0 +1,299 @@
+"""Focus attention (papers/focus-sinkhorn-centroid-attention.md, sections 2.1, 3.6, E.4).
+
+Per layer: a projection ``w_g: d_model -> d_group``, centroids ``C [K, d_group]`` and a gate
+strength ``lam``. Group scores ``S = (h w_g) C^T / tau`` [B, T, K] become assignments ``g`` by
+Sinkhorn (balanced; ``prefix`` scope = causal, ``sequence`` = the paper's form, which leaks the
+future) or by softmax (kept for the collapse comparison).
+
+- ``soft`` mode (training): pairs inside the window (i - j < w) are plain attention; outside it
+  ``log sigmoid(lam (g_i . g_j - 0.5))`` is added to the logit (E.4.8), or with
+  ``gate = "multiplicative"`` the logit is multiplied by ``sigmoid(lam g_i . g_j)`` (eq. 4).
+  Reference: dense gate, any device. Fast path (CUDA): FlexAttention ``score_mod`` computing the
+  gate from the captured per-token assignments.
+- ``hard`` mode (inference): each token belongs to its top-k groups; i attends j iff j <= i and
+  (i - j < w or their memberships intersect). Reference: dense mask. Fast path (any device): the
+  exact disjoint decomposition of ``group_sparse.hard_attention``.
+
+With prefix Sinkhorn (or softmax) a token's assignment never changes once computed, so the KV cache
+keeps each token's assignment and membership and generation equals the full forward.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from model.attention import reference as ref
+from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.flex import flex_attention_fn, flex_available
+from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
+from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.errors import ConfigError, check_choice, check_min, check_range
+
+SCOPES = ("prefix", "sequence")
+ASSIGNMENTS = ("sinkhorn", "softmax")
+GATES = ("additive", "multiplicative")
+MODES = ("soft", "hard")
+LAMBDA_SCHEDULES = ("constant", "linear", "cosine")
+MAX_GROUPS = 62  # memberships are int64 bitmasks
+STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
+
+
+@dataclass
+class FocusConfig:
+    n_groups: int = 4  # K
+    d_group: int = 16  # d_g; 0 = d_model (the paper's full-rank projection)
+    tau: float = 0.1
+    sinkhorn_iters: int = 10
+    sinkhorn_scope: str = "prefix"  # prefix (causal) | sequence (the paper's; not causal)
+    assignment: str = "sinkhorn"  # sinkhorn | softmax (collapses; kept for the comparison)
+    window: int = 128  # pairs with i - j < window are never gated
+    gate: str = "additive"  # additive: + log sigmoid(lam (a - 0.5)) | multiplicative: x sigmoid(lam a)
+    lambda_init: float = 2.0
+    lambda_learnable: bool = True
+    # lambda annealing: from lambda_init to lambda_end over the first lambda_warmup share of
+    # train.max_steps, then held (the paper: 2 -> 12 over half the steps)
+    lambda_schedule: str = "constant"
+    lambda_end: float = 12.0
+    lambda_warmup: float = 0.5
+    mode: str = "soft"  # soft (training) | hard (exact sparse inference)
+    top_k: int = 1  # hard mode: groups per token
+    entropy_weight: float = 0.1  # auxiliary loss on assignment entropy while the centroids train
+
+    def validate(self) -> None:
+        p = "model.attention.focus."
+        check_range(p + "n_groups", self.n_groups, 1, MAX_GROUPS)
+        check_min(p + "d_group", self.d_group, 0, note=" (0 = model.d_model)")
+        check_min(p + "tau", self.tau, 0.0, strict=True)
+        check_min(p + "sinkhorn_iters", self.sinkhorn_iters, 1)
+        check_choice(p + "sinkhorn_scope", self.sinkhorn_scope, SCOPES)
+        check_choice(p + "assignment", self.assignment, ASSIGNMENTS)
+        check_min(p + "window", self.window, 1)
+        check_choice(p + "gate", self.gate, GATES)
+        check_choice(p + "lambda_schedule", self.lambda_schedule, LAMBDA_SCHEDULES)
+        check_range(p + "lambda_warmup", self.lambda_warmup, 0.0, 1.0)
+        check_choice(p + "mode", self.mode, MODES)
+        check_range(p + "top_k", self.top_k, 1, self.n_groups)
+        check_min(p + "entropy_weight", self.entropy_weight, 0.0)
+        if self.lambda_schedule != "constant" and self.lambda_learnable:
+            raise ConfigError(f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) cannot also be learned; set lambda_learnable=false")
+
+
+def lambda_at(cfg: FocusConfig, step: int, max_steps: int) -> float:
+    """The scheduled gate strength at optimizer step ``step``."""
+    span = cfg.lambda_warmup * max_steps
+    frac = 1.0 if span <= 0 else min(1.0, step / span)
+    if cfg.lambda_schedule == "cosine":
+        frac = 0.5 * (1.0 - math.cos(math.pi * frac))
+    elif cfg.lambda_schedule == "constant":
+        frac = 0.0
+    return cfg.lambda_init + (cfg.lambda_end - cfg.lambda_init) * frac
+
+
+@register_attention("focus", FocusConfig)
+class FocusAttention(Attention):
+    no_weight_decay = ("centroids",)
+    uses_reference_batch = True  # assignment stability is measured on a fixed batch
+
+    def __init__(self, cfg: FocusConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.d_group = cfg.d_group or spec.d_model
+        self.w_g = nn.Linear(spec.d_model, self.d_group, bias=False)
+        self.centroids = nn.Parameter(torch.empty(cfg.n_groups, self.d_group))
+        lam = torch.tensor(float(cfg.lambda_init))
+        if cfg.lambda_learnable:
+            self.lam = nn.Parameter(lam)
+        else:
+            self.register_buffer("lam", lam)  # scheduled: saved with the weights, set by the trainer
+        self.reference_batch = False  # set for the trainer's fixed-batch pass (stability only)
+        self._previous_groups: Tensor | None = None
+        self.reset_parameters()
+
+    @classmethod
+    def suite_cases(cls) -> list[SuiteCase]:
+        small = {"window": 8}  # the suite's sequences are ~40 tokens: gate most pairs
+        return [
+            SuiteCase("soft-prefix", small),
+            SuiteCase("soft-multiplicative", {**small, "gate": "multiplicative"}),
+            SuiteCase("soft-softmax", {**small, "assignment": "softmax"}),
+            SuiteCase("hard-k1", {**small, "mode": "hard"}),
+            SuiteCase("hard-k2", {**small, "mode": "hard", "top_k": 2}),
+            SuiteCase("soft-sequence", {**small, "sinkhorn_scope": "sequence"}, causal=False),
+            SuiteCase("hard-sequence", {**small, "mode": "hard", "sinkhorn_scope": "sequence"}, causal=False),
+        ]
+
+    def reset_parameters(self) -> None:
+        # Scores start at a few units (std ~3 at tau = 0.1): assignments confident but not one-hot,
+        # so the centroids get gradient from the start.
+        nn.init.normal_(self.w_g.weight, std=1.0 / math.sqrt(self.spec.d_model))
+        nn.init.normal_(self.centroids, std=0.3 / math.sqrt(self.d_group))
+        with torch.no_grad():
+            self.lam.fill_(float(self.cfg.lambda_init))
+
+    def set_train_progress(self, step: int, max_steps: int) -> None:
+        if self.cfg.lambda_schedule != "constant":
+            with torch.no_grad():
+                self.lam.fill_(lambda_at(self.cfg, step, max_steps))
+
+    # ---- assignments ----------------------------------------------------------------
+    def group_scores(self, hidden: Tensor) -> Tensor:
+        dtype = torch.promote_types(hidden.dtype, torch.float32)
+        return (self.w_g(hidden).to(dtype) @ self.centroids.to(dtype).T) / self.cfg.tau
+
+    def assignments(self, hidden: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        """(g of the new tokens [B, Tq, K], g of every key [B, Tk, K]), caching what decoding needs."""
+        s = self.group_scores(hidden)
+        cfg = self.cfg
+        if cfg.assignment == "softmax" or cfg.sinkhorn_scope == "prefix":
+            if cfg.assignment == "softmax":
+                g = torch.softmax(s, dim=-1)
+            else:
+                g, state = sinkhorn_prefix(s, cfg.sinkhorn_iters, cache.extra.get("focus_sinkhorn") if cache else None)
+                if cache is not None:
+                    cache.extra["focus_sinkhorn"] = state
+            return g, self._cached(cache, "focus_g", g)
+        # sequence scope: every call renormalises over all tokens so far (earlier keys move too)
+        s_all = self._cached(cache, "focus_scores", s)
+        g_all = sinkhorn_sequence(s_all, cfg.sinkhorn_iters)
+        return g_all[:, -s.shape[1] :], g_all
+
+    @staticmethod
+    def _cached(cache: KVCache | None, key: str, new: Tensor) -> Tensor:
+        """Write ``new`` (the last tokens' rows) into a per-cache buffer; return all rows so far."""
+        if cache is None:
+            return new
+        buf = cache.extra.get(key)
+        if buf is None:
+            buf = cache.extra[key] = new.new_empty(new.shape[0], cache.max_len, *new.shape[2:])
+        buf[:, cache.length - new.shape[1] : cache.length] = new
+        return buf[:, : cache.length]
+
+    # ---- paths ----------------------------------------------------------------------
+    def _scale(self) -> float:
+        return 1.0 / math.sqrt(self.spec.head_dim)
+
+    def gate_logits(self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """(gate value [B, Tq, Tk], distant [Tq, Tk]) for the soft mode."""
+        affinity = g_q @ g_k.transpose(-1, -2)
+        lam = self.lam.to(affinity.dtype)
+        distant = (q_pos[:, None] - k_pos[None, :]) >= self.cfg.window
+        if self.cfg.gate == "additive":
+            return F.logsigmoid(lam * (affinity - 0.5)), distant
+        return torch.sigmoid(lam * affinity), distant
+
+    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        g_q, g_k = self.assignments(hidden, cache)
+        s = ref.scores(q, k, self._scale())
+        causal = ref.causal_mask(q_pos, k_pos)
+        if self.cfg.mode == "hard":
+            bits_q, bits_k = self._memberships(g_q, g_k, cache)
+            mask = hard_mask(bits_q, bits_k, q_pos, k_pos, self.cfg.window)[:, None]
+        else:
+            gate, distant = self.gate_logits(g_q.to(s.dtype), g_k.to(s.dtype), q_pos, k_pos)
+            if self.cfg.gate == "additive":
+                s = s + torch.where(distant, gate, torch.zeros_like(gate))[:, None]
+            else:
+                s = torch.where(distant, s * gate[:, None], s)
+            mask = causal
+        p = ref.masked_softmax(s, mask)
+        return self._out(ref.weighted_values(p, v, q.dtype), g_q, g_k, q_pos, k_pos, cache)
+
+    def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
+        if self.cfg.mode == "hard":
+            return True  # the exact decomposition runs on any device
+        return q.is_cuda and flex_available()
+
+    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        g_q, g_k = self.assignments(hidden, cache)
+        if self.cfg.mode == "hard":
+            bits_q, bits_k = self._memberships(g_q, g_k, cache)
+            out = hard_attention(q, k, v, bits_q=bits_q, bits_k=bits_k, q_pos=q_pos, window=self.cfg.window, scale=self._scale(), n_groups=self.cfg.n_groups)
+        else:
+            out = self.soft_flex(q, k, v, g_q, g_k, q_pos)
+        return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+
+    def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
+        """Soft-gated attention as one FlexAttention call. The gate's K-term dot product is K scalar
+        loads (a vector reduction does not lower under compile); compiled on CUDA, eager elsewhere."""
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        n_groups, window, lam = self.cfg.n_groups, self.cfg.window, self.lam
+        g_q, g_k = g_q.to(q.dtype), g_k.to(q.dtype)
+        q_pos = q_pos.to(q.device)
+        additive = self.cfg.gate == "additive"
+
+        def gated(score, b, h, qi, kv):
+            dot = g_q[b, qi, 0] * g_k[b, kv, 0]
+            for c in range(1, n_groups):
+                dot = dot + g_q[b, qi, c] * g_k[b, kv, c]
+            if additive:
+                x = lam.to(score.dtype) * (dot - 0.5)
+                gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid, stable
+                gated_score = score + gate
+            else:
+                gated_score = score * torch.sigmoid(lam.to(score.dtype) * dot)
+            return torch.where(q_pos[qi] - kv >= window, gated_score, score)
+
+        def causal(b, h, qi, kv):
+            return kv <= q_pos[qi]
+
+        block_mask = create_block_mask(causal, None, None, q.shape[2], k.shape[2], device=q.device)
+        return flex_attention_fn(q.is_cuda)(q, k, v, score_mod=gated, block_mask=block_mask, scale=self._scale(), enable_gqa=k.shape[1] != q.shape[1])
+
+    def _memberships(self, g_q: Tensor, g_k: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        bits_q = membership_bits(g_q, self.cfg.top_k)
+        if self.cfg.sinkhorn_scope == "sequence" and self.cfg.assignment == "sinkhorn":
+            return bits_q, membership_bits(g_k, self.cfg.top_k)  # earlier keys were re-assigned
+        return bits_q, self._cached(cache, "focus_bits", bits_q)
+
+    # ---- auxiliary loss and statistics ------------------------------------------------
+    def _out(self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+        entropy = -(g_q * torch.log(g_q.clamp_min(1e-30))).sum(-1).mean()
+        aux = None
+        if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad:
+            aux = self.cfg.entropy_weight * entropy
+        if self.reference_batch:
+            return AttnOut(output, stats=self._stability(g_q))
+        if not self.collect_stats:
+            return AttnOut(output, aux_loss=aux)
+        with torch.no_grad():
+            g = g_q.detach()
+            share = torch.bincount(g.argmax(-1).flatten(), minlength=self.cfg.n_groups).float() / g.shape[0] / g.shape[1]
+            stats = {
+                "max_group_share": share.max(),
+                "confidence": g.max(-1).values.mean(),
+                "entropy": entropy.detach(),
+                "imbalance": group_imbalance(g),
+                "lambda": self.lam.detach().float(),
+            }
+            stats.update(self._pair_stats(g, g_k.detach(), q_pos, k_pos, cache))
+        return AttnOut(output, aux_loss=aux, stats=stats)
+
+    def _pair_stats(self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> dict[str, Tensor]:
+        """Mean gate on distant pairs (soft) or the share of causal pairs kept (hard), on sampled query rows."""
+        rows = torch.arange(0, g_q.shape[1], max(1, g_q.shape[1] // STATS_ROWS), device=g_q.device)
+        g_q, q_pos = g_q[:, rows], q_pos[rows]
+        causal = ref.causal_mask(q_pos, k_pos)
+        if self.cfg.mode == "hard":
+            bits_q, bits_k = membership_bits(g_q, self.cfg.top_k), membership_bits(g_k, self.cfg.top_k)
+            kept = hard_mask(bits_q, bits_k, q_pos, k_pos, self.cfg.window)
+            return {"pairs_kept": kept.sum() / (causal.sum() * kept.shape[0])}
+        gate, distant = self.gate_logits(g_q, g_k, q_pos, k_pos)
+        if self.cfg.gate == "additive":
+            gate = gate.exp()
+        pairs = distant & causal
+        if not bool(pairs.any()):
+            return {}
+        return {"gate_distant": gate[:, pairs].mean()}
+
+    def _stability(self, g: Tensor) -> dict[str, Tensor]:
+        """Share of the reference batch's tokens whose argmax group is the same as at the last pass."""
+        groups = g.detach().argmax(-1)
+        previous, self._previous_groups = self._previous_groups, groups
+        if previous is None or previous.shape != groups.shape:
+            return {}
+        return {"stability": (groups == previous).float().mean()}
