@@ -204,12 +204,13 @@ class Trainer:
             self._say(f"nothing to do: the run is at step {self.step} (stop at {stop})")
             return TrainResult(self.step, self.tokens, None, 0)
         timer, since, tokens_at, step_at = Stopwatch(), 0.0, self.tokens, self.step
+        first = self.step  # the first step after (re)start is always logged
         self.model.train()
         with PreemptionHandler() as preempt:
             while self.step < stop:
                 if preempt.requested:
                     break
-                log_step = self.step == step_at or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
+                log_step = self.step == first or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
                 record = self.train_step(log_step)
                 since += timer.lap()
                 if log_step:

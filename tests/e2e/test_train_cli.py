@@ -292,3 +292,10 @@ def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, ca
     after = _tensors(two_phase / "checkpoints" / "step_00000003")
     assert not torch.equal(after["blocks.0.attn.wq.weight"], pretrained["blocks.0.attn.wq.weight"])
     assert "error: train.trainable: pattern" in train(overrides(tmp_path / "bad", cache_dir, **{**base, "train.trainable": "*.core.nothing"})).stderr
+
+
+def test_training_lines_follow_log_every(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    proc = train(overrides(run_dir, cache_dir, **{"train.max_steps": 12, "train.log_every": 5, "checkpoint.every": 0, "eval.every": 0}))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(losses(run_dir)) == [1, 5, 10, 12], "the first step, every log_every-th, and the last"
