@@ -15,9 +15,10 @@ import argparse
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -42,8 +43,16 @@ CASES: list[Case] = [
     Case("focus hard k=1 (K=4, w=128)", "focus", dict(n_groups=4, window=128, mode="hard", top_k=1), backward=False),
     Case("focus hard k=1 (K=8, w=128)", "focus", dict(n_groups=8, window=128, mode="hard", top_k=1), backward=False),
     Case("focus hard k=2 (K=4, w=128)", "focus", dict(n_groups=4, window=128, mode="hard", top_k=2), backward=False),
-    Case("prescored_hyper kmeans (top_k=1024, min_seq_len=512)", "prescored_hyper", dict(scoring="kmeans", top_k=1024, min_seq_len=512)),
-    Case("prescored_hyper leverage (top_k=1024, min_seq_len=512)", "prescored_hyper", dict(scoring="leverage", top_k=1024, min_seq_len=512)),
+    Case(
+        "prescored_hyper kmeans (top_k=1024, min_seq_len=512)",
+        "prescored_hyper",
+        dict(scoring="kmeans", top_k=1024, min_seq_len=512),
+    ),
+    Case(
+        "prescored_hyper leverage (top_k=1024, min_seq_len=512)",
+        "prescored_hyper",
+        dict(scoring="leverage", top_k=1024, min_seq_len=512),
+    ),
 ]
 
 
@@ -64,12 +73,21 @@ def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
     cfg = registry[kind].config_cls(**options)
     if hasattr(cfg, "validate"):
         cfg.validate()
-    spec = LayerSpec(d_model=HEADS * HEAD_DIM, n_heads=HEADS, n_kv_heads=HEADS, head_dim=HEAD_DIM, max_seq_len=max_len, layer_idx=0, n_layers=1)
+    spec = LayerSpec(
+        d_model=HEADS * HEAD_DIM,
+        n_heads=HEADS,
+        n_kv_heads=HEADS,
+        head_dim=HEAD_DIM,
+        max_seq_len=max_len,
+        layer_idx=0,
+        n_layers=1,
+    )
     return build_attention(kind, cfg, spec).to(device, dtype)
 
 
 def timeit(fn: Callable[[], Any], device: str, repeat: int) -> float:
     """Median seconds of ``repeat`` runs after one warm-up."""
+
     def sync():
         if device == "cuda":
             torch.cuda.synchronize()
@@ -112,7 +130,13 @@ def bench_forward(lengths: list[int], device: str, repeat: int) -> list[dict[str
             row["fwd_bwd"] = timeit(partial(forward_backward, *inputs), device, repeat) if case.backward else None
             if case.kind == "full":
                 base = {"fwd": row["fwd"], "fwd_bwd": row["fwd_bwd"]}
-            rows.append({**row, "fwd_ratio": row["fwd"] / base["fwd"] if base else None, "fwd_bwd_ratio": row["fwd_bwd"] / base["fwd_bwd"] if base and row["fwd_bwd"] else None})
+            rows.append(
+                {
+                    **row,
+                    "fwd_ratio": row["fwd"] / base["fwd"] if base else None,
+                    "fwd_bwd_ratio": row["fwd_bwd"] / base["fwd_bwd"] if base and row["fwd_bwd"] else None,
+                }
+            )
             print(f"  {case.label} T={t}: fwd {row['fwd'] * 1e3:.1f} ms", flush=True)
     return rows
 
@@ -138,19 +162,44 @@ def bench_decode(contexts: list[int], device: str, steps: int, prefill_chunk: in
                 else:
                     for a in range(0, ctx, prefill_chunk):
                         b = min(ctx, a + prefill_chunk)
-                        module(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], hidden=hidden.expand(BATCH, b - a, -1), positions=torch.arange(a, b, device=device), cache=cache)
+                        module(
+                            q[:, :, a:b],
+                            k[:, :, a:b],
+                            v[:, :, a:b],
+                            hidden=hidden.expand(BATCH, b - a, -1),
+                            positions=torch.arange(a, b, device=device),
+                            cache=cache,
+                        )
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 for i in range(ctx, total):
-                    module(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], hidden=hidden, positions=torch.arange(i, i + 1, device=device), cache=cache)
+                    module(
+                        q[:, :, i : i + 1],
+                        k[:, :, i : i + 1],
+                        v[:, :, i : i + 1],
+                        hidden=hidden,
+                        positions=torch.arange(i, i + 1, device=device),
+                        cache=cache,
+                    )
                 if device == "cuda":
                     torch.cuda.synchronize()
                 per_token = (time.perf_counter() - t0) / steps
-            size = module.cache_size(cache) if hasattr(module, "cache_size") else {"full_kv_slots": cache.length, "dga_kv_slots": cache.length, "dga_query_slots": 0}
+            size = (
+                module.cache_size(cache)
+                if hasattr(module, "cache_size")
+                else {"full_kv_slots": cache.length, "dga_kv_slots": cache.length, "dga_query_slots": 0}
+            )
             slots = size["dga_kv_slots"]
             nbytes = (2 * slots + size["dga_query_slots"]) * BATCH * HEADS * HEAD_DIM * elt
-            row = {"case": case.label, "context": ctx, "ms_per_token": per_token * 1e3, "kv_slots": slots, "query_slots": size["dga_query_slots"], "bytes": nbytes}
+            row = {
+                "case": case.label,
+                "context": ctx,
+                "ms_per_token": per_token * 1e3,
+                "kv_slots": slots,
+                "query_slots": size["dga_query_slots"],
+                "bytes": nbytes,
+            }
             if base is None:
                 base = row
             row["time_ratio"] = row["ms_per_token"] / base["ms_per_token"]
@@ -175,19 +224,30 @@ def main(argv: list[str] | None = None) -> None:
     contexts = [1024, 2048] if args.quick else [4096, 8192, 16384]
     repeat, steps = (1, 8) if args.quick else (3, 32)
     torch.manual_seed(0)
-    print(f"# bench.attention on {args.device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads)", flush=True)
+    print(
+        f"# bench.attention on {args.device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads)",
+        flush=True,
+    )
     fwd = bench_forward(lengths, args.device, repeat)
     dec = bench_decode(contexts, args.device, steps)
-    print(f"\n## Forward and forward+backward, one layer, batch {BATCH}, {HEADS} heads x {HEAD_DIM}, float32 (median of {repeat})\n")
+    print(
+        f"\n## Forward and forward+backward, one layer, batch {BATCH}, {HEADS} heads x {HEAD_DIM}, float32 (median of {repeat})\n"
+    )
     print("| variant | T | fwd ms | fwd / full | fwd+bwd ms | fwd+bwd / full |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in fwd:
-        print(f"| {r['case']} | {r['T']} | {r['fwd'] * 1e3:.1f} | {fmt(r['fwd_ratio'], '.2f')} | {fmt(r['fwd_bwd'] and r['fwd_bwd'] * 1e3, '.1f')} | {fmt(r['fwd_bwd_ratio'], '.2f')} |")
+        print(
+            f"| {r['case']} | {r['T']} | {r['fwd'] * 1e3:.1f} | {fmt(r['fwd_ratio'], '.2f')} | {fmt(r['fwd_bwd'] and r['fwd_bwd'] * 1e3, '.1f')} | {fmt(r['fwd_bwd_ratio'], '.2f')} |"
+        )
     print(f"\n## Decode: one token on a KV cache of the given context (mean of {steps} tokens)\n")
-    print("| variant | context | ms / token | time / full | KV slots per head | queries held | cache MiB | cache / full |")
+    print(
+        "| variant | context | ms / token | time / full | KV slots per head | queries held | cache MiB | cache / full |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in dec:
-        print(f"| {r['case']} | {r['context']} | {r['ms_per_token']:.2f} | {r['time_ratio']:.2f} | {r['kv_slots']} | {r['query_slots']} | {r['bytes'] / 2**20:.2f} | {r['bytes_ratio']:.3f} |")
+        print(
+            f"| {r['case']} | {r['context']} | {r['ms_per_token']:.2f} | {r['time_ratio']:.2f} | {r['kv_slots']} | {r['query_slots']} | {r['bytes'] / 2**20:.2f} | {r['bytes_ratio']:.3f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -96,7 +96,11 @@ def streaming_row(tokenizer, folder: str, batch: int, seq_len: int, seconds: flo
     try:
         from data.streaming import StreamConfig, build_stream_loader
     except Exception as exc:  # noqa: BLE001 - another engineer's module, possibly absent or half-written: skip
-        return Row(name, None, f"skipped: data.streaming.build_stream_loader / StreamConfig not importable ({exc.__class__.__name__})")
+        return Row(
+            name,
+            None,
+            f"skipped: data.streaming.build_stream_loader / StreamConfig not importable ({exc.__class__.__name__})",
+        )
     try:
         cfg = StreamConfig(source="local", path=folder, num_workers=0)
         batches = iter(build_stream_loader(cfg, tokenizer, seq_len=seq_len, batch_size=batch, num_workers=0))
@@ -210,10 +214,18 @@ def report(args, rows: list[Row], models: list[ModelRate], corpus: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.data_throughput", description=__doc__.splitlines()[0])
-    parser.add_argument("--data", default="", help="a file, folder or glob of .txt / .jsonl / .parquet (default: the embedded corpus)")
+    parser.add_argument(
+        "--data", default="", help="a file, folder or glob of .txt / .jsonl / .parquet (default: the embedded corpus)"
+    )
     parser.add_argument("--seconds", type=float, default=3.0, help="per data measurement")
-    parser.add_argument("--tokenizer", default="train", help="'train' (SentencePiece BPE, cached like the trainer's) or a .model / tokenizer.json")
-    parser.add_argument("--vocab-size", type=int, default=0, help="pieces of a trained tokenizer (default 4096, the tiny preset's)")
+    parser.add_argument(
+        "--tokenizer",
+        default="train",
+        help="'train' (SentencePiece BPE, cached like the trainer's) or a .model / tokenizer.json",
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=0, help="pieces of a trained tokenizer (default 4096, the tiny preset's)"
+    )
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="for the model steps")
     parser.add_argument("--steps-124m", type=int, default=2, help="timed llama-124m steps (after one warm-up)")
     parser.add_argument("--json", default="", help="also write the figures to this JSON file")
@@ -231,8 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     batch, seq_len = 8, 1024
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         cfg = PrepareConfig(
-            out=str(Path(tmp) / "shards"), source="local" if args.data else "embedded", path=args.data,
-            tokenizer=args.tokenizer, vocab_size=args.vocab_size, shard_tokens=2**20,
+            out=str(Path(tmp) / "shards"),
+            source="local" if args.data else "embedded",
+            path=args.data,
+            tokenizer=args.tokenizer,
+            vocab_size=args.vocab_size,
+            shard_tokens=2**20,
         )
         try:
             prepared = prepare(cfg, log=lambda line: print(line, file=sys.stderr), progress=False)
@@ -241,7 +257,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if len(train) < 1:
-            print(f"error: --data: the training split has {len(train.tokens)} tokens, fewer than one {seq_len + 1}-token sequence", file=sys.stderr)
+            print(
+                f"error: --data: the training split has {len(train.tokens)} tokens, fewer than one {seq_len + 1}-token sequence",
+                file=sys.stderr,
+            )
             return 2
         tokenizer = load_prepared_tokenizer(cfg.out, index)
         corpus += (
@@ -251,18 +270,37 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"# {prepared.summary}", file=sys.stderr)
         print("# timing the memmap path ...", file=sys.stderr, flush=True)
-        rows = [Row(f"memmap: PreparedDataset.batch, random indices ({batch} x {seq_len})", memmap_rate(train, batch, args.seconds), "one process, warm page cache")]
+        rows = [
+            Row(
+                f"memmap: PreparedDataset.batch, random indices ({batch} x {seq_len})",
+                memmap_rate(train, batch, args.seconds),
+                "one process, warm page cache",
+            )
+        ]
         print("# timing on-the-fly tokenisation ...", file=sys.stderr, flush=True)
         threads = os.cpu_count() if tokenizer.file_name == "tokenizer.model" else "its own"
-        rows.append(Row("on-the-fly: tokenizer.encode_batch over documents", tokenise_rate(tokenizer, texts, args.seconds), f"{threads} tokenizer threads"))
+        rows.append(
+            Row(
+                "on-the-fly: tokenizer.encode_batch over documents",
+                tokenise_rate(tokenizer, texts, args.seconds),
+                f"{threads} tokenizer threads",
+            )
+        )
         print("# timing data.streaming ...", file=sys.stderr, flush=True)
         rows.append(streaming_row(tokenizer, text_folder(args.data, texts, Path(tmp)), batch, seq_len, args.seconds))
     print("# timing training steps (tiny, then llama-124m) ...", file=sys.stderr, flush=True)
     tiny_steps = 5 if args.device == "cpu" or not torch.cuda.is_available() else 20
-    models = [model_rate("tiny", 16, 256, tiny_steps, args.device), model_rate("llama-124m", 1, 1024, args.steps_124m, args.device)]
+    models = [
+        model_rate("tiny", 16, 256, tiny_steps, args.device),
+        model_rate("llama-124m", 1, 1024, args.steps_124m, args.device),
+    ]
     print(report(args, rows, models, corpus))
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": [asdict(r) for r in rows], "models": [asdict(m) for m in models], "corpus": corpus}, indent=2))
+        Path(args.json).write_text(
+            json.dumps(
+                {"rows": [asdict(r) for r in rows], "models": [asdict(m) for m in models], "corpus": corpus}, indent=2
+            )
+        )
     return 0
 
 

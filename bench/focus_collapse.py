@@ -71,7 +71,11 @@ def run(label: str, args: argparse.Namespace, root: Path) -> dict[int, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", default=str(DEFAULT_DATA), help="text file, folder or glob (default: the novels corpus beside the repo)")
+    p.add_argument(
+        "--data",
+        default=str(DEFAULT_DATA),
+        help="text file, folder or glob (default: the novels corpus beside the repo)",
+    )
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--every", type=int, default=50)
     p.add_argument("--groups", type=int, default=8)
@@ -92,15 +96,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with tempfile.TemporaryDirectory() as tmp:
         results = {label: run(label, args, Path(tmp)) for label in labels}
-    print(f"largest group's share of tokens (K = {args.groups}, uniform = {1 / args.groups:.1%}, argmax assignment, mean over layers); "
-          f"tiny LLaMA, window {args.window}, batch {args.batch_size} x {args.seq_len}, every weight trainable")
+    print(
+        f"largest group's share of tokens (K = {args.groups}, uniform = {1 / args.groups:.1%}, argmax assignment, mean over layers); "
+        f"tiny LLaMA, window {args.window}, batch {args.batch_size} x {args.seq_len}, every weight trainable"
+    )
     print("| step | " + " | ".join(f"{label} max group | {label} confidence" for label in labels) + " |")
     print("|---:|" + "---:|---:|" * len(labels))
     for step in sorted(set().union(*results.values())):
         cells = []
         for label in labels:
             r = results[label].get(step, {})
-            cells.append(f"{r.get('attn/focus/max_group_share', float('nan')):.1%} | {r.get('attn/focus/confidence', float('nan')):.2f}")
+            cells.append(
+                f"{r.get('attn/focus/max_group_share', float('nan')):.1%} | {r.get('attn/focus/confidence', float('nan')):.2f}"
+            )
         print(f"| {step} | " + " | ".join(cells) + " |")
     return 0
 

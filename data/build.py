@@ -31,10 +31,13 @@ class Corpus:
     tokenizer: Tokenizer
     train: PackedDataset | None  # None for a stream
     val: PackedDataset | None  # None: a stream without data.val_path
-    fingerprint: str  # documents (or stream settings) + tokenizer + split + seq_len: stored in checkpoints, checked at resume
+    fingerprint: (
+        str  # documents (or stream settings) + tokenizer + split + seq_len: stored in checkpoints, checked at resume
+    )
     unigram_entropy: float | None  # nats per token of the training split's unigram distribution (None: a stream)
     num_documents: tuple[int, int]  # (train, val); 0 where unknown (a stream)
     stream: object = None  # data.streaming.StreamConfig of a streamed run (its seed set by the trainer)
+
 
 ENTROPY_SAMPLE = 10_000_000  # tokens of a prepared split the unigram entropy is measured on
 
@@ -108,18 +111,28 @@ def _prepared_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], N
     train, val, index = open_prepared(cfg.path, cfg.seq_len)
     tokenizer = load_prepared_tokenizer(cfg.path, index)
     if cfg.tokenizer != "train" and load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
-        raise ConfigError(f"data.tokenizer: {cfg.tokenizer} is not the tokenizer the shards in {cfg.path} were written with; leave data.tokenizer = 'train' (the shards carry theirs)")
+        raise ConfigError(
+            f"data.tokenizer: {cfg.tokenizer} is not the tokenizer the shards in {cfg.path} were written with; leave data.tokenizer = 'train' (the shards carry theirs)"
+        )
     if tokenizer.vocab_size > vocab_size:
-        raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the {tokenizer.vocab_size} tokens of the prepared shards' tokenizer")
+        raise ConfigError(
+            f"model.vocab_size: {vocab_size} is smaller than the {tokenizer.vocab_size} tokens of the prepared shards' tokenizer"
+        )
     for name, split in (("training", train), ("validation", val)):
         if len(split) < 1:
-            raise ConfigError(f"data.seq_len: the prepared {name} split has fewer than data.seq_len + 1 = {cfg.seq_len + 1} tokens")
+            raise ConfigError(
+                f"data.seq_len: the prepared {name} split has fewer than data.seq_len + 1 = {cfg.seq_len + 1} tokens"
+            )
     sample = np.asarray(train.tokens[: min(len(train.tokens), ENTROPY_SAMPLE)])
     splits = index["splits"]
-    log(f"data: prepared shards {cfg.path}, {splits['train']['documents']:,} train / {splits['val']['documents']:,} validation documents, "
-        f"{splits['train']['tokens']:,} / {splits['val']['tokens']:,} tokens ({index['dtype']})")
+    log(
+        f"data: prepared shards {cfg.path}, {splits['train']['documents']:,} train / {splits['val']['documents']:,} validation documents, "
+        f"{splits['train']['tokens']:,} / {splits['val']['tokens']:,} tokens ({index['dtype']})"
+    )
     return Corpus(
-        tokenizer=tokenizer, train=train, val=val,
+        tokenizer=tokenizer,
+        train=train,
+        val=val,
         fingerprint=hashlib.sha256(f"prepared|{index['fingerprint']}|{cfg.seq_len}".encode()).hexdigest()[:24],
         unigram_entropy=unigram_entropy(sample, tokenizer.vocab_size),
         num_documents=(splits["train"]["documents"], splits["val"]["documents"]),
@@ -141,8 +154,13 @@ def _stream_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
             yield doc.text
 
     tokenizer = get_tokenizer(
-        cfg, vocab_size=vocab_size, log=log, texts=sample_texts,
-        corpus_fingerprint=hashlib.sha256(f"stream|{described}|{cfg.split}|{cfg.tokenizer_sample_docs}".encode()).hexdigest(),
+        cfg,
+        vocab_size=vocab_size,
+        log=log,
+        texts=sample_texts,
+        corpus_fingerprint=hashlib.sha256(
+            f"stream|{described}|{cfg.split}|{cfg.tokenizer_sample_docs}".encode()
+        ).hexdigest(),
     )
     val = None
     if cfg.val_path:
@@ -151,13 +169,26 @@ def _stream_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
         val_tokens = pack_documents((d.text for d in iter_local(cfg.val_path, cfg.text_field)), tokenizer)
         val = PackedDataset(val_tokens, cfg.seq_len)
         if len(val) < 1:
-            raise ConfigError(f"data.val_path: {cfg.val_path} holds {len(val_tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}")
-    log(f"data: streaming {described} (split {cfg.split}, shuffle window {cfg.shuffle_window}, {cfg.num_workers} loader workers per rank); "
-        + (f"validation {cfg.val_path}, {len(val):,} sequences" if val is not None else "no validation split (set data.val_path)"))
+            raise ConfigError(
+                f"data.val_path: {cfg.val_path} holds {len(val_tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
+            )
+    log(
+        f"data: streaming {described} (split {cfg.split}, shuffle window {cfg.shuffle_window}, {cfg.num_workers} loader workers per rank); "
+        + (
+            f"validation {cfg.val_path}, {len(val):,} sequences"
+            if val is not None
+            else "no validation split (set data.val_path)"
+        )
+    )
     settings = f"{described}|{cfg.split}|{cfg.shuffle_window}|{cfg.text_field}|{tokenizer.fingerprint}|{cfg.seq_len}|{cfg.val_path}"
     return Corpus(
-        tokenizer=tokenizer, train=None, val=val, fingerprint=hashlib.sha256(f"stream|{settings}".encode()).hexdigest()[:24],
-        unigram_entropy=None, num_documents=(0, 0), stream=stream,
+        tokenizer=tokenizer,
+        train=None,
+        val=val,
+        fingerprint=hashlib.sha256(f"stream|{settings}".encode()).hexdigest()[:24],
+        unigram_entropy=None,
+        num_documents=(0, 0),
+        stream=stream,
     )
 
 
@@ -177,11 +208,16 @@ def _packed_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
         return (d.text for d in train_docs)
 
     tokenizer = get_tokenizer(
-        cfg, vocab_size=vocab_size, log=log,
-        corpus_fingerprint=hashlib.sha256(f"{content}|{cfg.val_fraction}".encode()).hexdigest(), texts=tokenizer_texts,
+        cfg,
+        vocab_size=vocab_size,
+        log=log,
+        corpus_fingerprint=hashlib.sha256(f"{content}|{cfg.val_fraction}".encode()).hexdigest(),
+        texts=tokenizer_texts,
     )
 
-    key = hashlib.sha256(f"{CACHE_FORMAT}|{content}|{cfg.val_fraction}|{tokenizer.fingerprint}".encode()).hexdigest()[:24]
+    key = hashlib.sha256(f"{CACHE_FORMAT}|{content}|{cfg.val_fraction}|{tokenizer.fingerprint}".encode()).hexdigest()[
+        :24
+    ]
     cache = cfg.cache_path / "tokens"
     train_path, val_path = cache / f"{key}.train.npy", cache / f"{key}.val.npy"
     cached = _load_cached(train_path, val_path)
@@ -218,7 +254,10 @@ def _packed_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
         )
     fingerprint = hashlib.sha256(f"{key}|{cfg.seq_len}".encode()).hexdigest()[:24]
     return Corpus(
-        tokenizer=tokenizer, train=train, val=val, fingerprint=fingerprint,
+        tokenizer=tokenizer,
+        train=train,
+        val=val,
+        fingerprint=fingerprint,
         unigram_entropy=unigram_entropy(train_tokens, tokenizer.vocab_size),
         num_documents=(len(train_docs), len(val_docs)),
     )

@@ -37,9 +37,13 @@ class DataConfig:
     # embedded | local (read whole, indexable) | prepared (data.prepare shards in data.path) |
     # slimpajama | fineweb-edu | openwebtext | pg19 (streamed from the hub) | mixture (data.mixture)
     source: str = "embedded"
-    path: str = ""  # local: a file, a folder (recursive) or a glob of .txt / .jsonl / .parquet; prepared: the shard directory
+    path: str = (
+        ""  # local: a file, a folder (recursive) or a glob of .txt / .jsonl / .parquet; prepared: the shard directory
+    )
     seq_len: int = 256
-    tokenizer: str = "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json
+    tokenizer: str = (
+        "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json
+    )
     vocab_size: int = 0  # vocabulary of a trained tokenizer; 0 = model.vocab_size
     text_field: str = "text"  # jsonl / parquet column
     val_fraction: float = 0.05  # share of documents held out, chosen by a stable hash of the document id
@@ -66,11 +70,27 @@ class DataConfig:
 
         if self.source == "mixture":
             if not self.mixture:
-                raise ConfigError("data.mixture: data.source = 'mixture' needs [[data.mixture]] tables (source, path or name, weight)")
-            return StreamConfig(mixture={m.key(): m.weight for m in self.mixture}, split=self.split, text_field=self.text_field,
-                                shuffle_window=self.shuffle_window, num_workers=self.num_workers, seed=seed)
-        return StreamConfig(source=self.source, path=self.path if self.source == "local" else "", config_name=self.name, split=self.split,
-                            text_field=self.text_field, shuffle_window=self.shuffle_window, num_workers=self.num_workers, seed=seed)
+                raise ConfigError(
+                    "data.mixture: data.source = 'mixture' needs [[data.mixture]] tables (source, path or name, weight)"
+                )
+            return StreamConfig(
+                mixture={m.key(): m.weight for m in self.mixture},
+                split=self.split,
+                text_field=self.text_field,
+                shuffle_window=self.shuffle_window,
+                num_workers=self.num_workers,
+                seed=seed,
+            )
+        return StreamConfig(
+            source=self.source,
+            path=self.path if self.source == "local" else "",
+            config_name=self.name,
+            split=self.split,
+            text_field=self.text_field,
+            shuffle_window=self.shuffle_window,
+            num_workers=self.num_workers,
+            seed=seed,
+        )
 
     def validate(self) -> None:
         check_choice("data.source", self.source, SOURCES)
@@ -88,26 +108,36 @@ class DataConfig:
                     raise ConfigError(str(exc).replace("data.path", "data.val_path", 1)) from None
         if self.source == "prepared":
             if not self.path or not (Path(self.path).expanduser() / "index.json").is_file():
-                raise ConfigError(f"data.path: {self.path!r} is not a prepared shard directory (no index.json); write one with python -m data.prepare")
+                raise ConfigError(
+                    f"data.path: {self.path!r} is not a prepared shard directory (no index.json); write one with python -m data.prepare"
+                )
         check_min("data.seq_len", self.seq_len, 1)
         check_range("data.val_fraction", self.val_fraction, 0.0, 1.0, open_low=True, open_high=True)
         check_min("data.vocab_size", self.vocab_size, 0, note=" (0 = model.vocab_size)")
         if self.tokenizer == "train" and 0 < self.vocab_size < MIN_TRAINED_VOCAB:
-            raise ConfigError(f"data.vocab_size: {self.vocab_size} is too small for a trained tokenizer; must be 0 (= model.vocab_size) or >= {MIN_TRAINED_VOCAB}")
+            raise ConfigError(
+                f"data.vocab_size: {self.vocab_size} is too small for a trained tokenizer; must be 0 (= model.vocab_size) or >= {MIN_TRAINED_VOCAB}"
+            )
         if not self.text_field:
             raise ConfigError("data.text_field: must name the jsonl field / parquet column holding the text, got ''")
         if self.source == "local" and not self.streaming:
             from data.sources import resolve_paths
 
             if not self.path:
-                raise ConfigError("data.path: required with data.source = 'local' (a file, folder or glob of .txt, .jsonl or .parquet)")
+                raise ConfigError(
+                    "data.path: required with data.source = 'local' (a file, folder or glob of .txt, .jsonl or .parquet)"
+                )
             resolve_paths(self.path)
         if self.tokenizer != "train":
             path = Path(self.tokenizer).expanduser()
             if not path.is_file():
-                raise ConfigError(f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a tokenizer.json or a .tiktoken file)")
+                raise ConfigError(
+                    f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a tokenizer.json or a .tiktoken file)"
+                )
             if path.suffix not in (".model", ".json", ".tiktoken"):
-                raise ConfigError(f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a .tiktoken file")
+                raise ConfigError(
+                    f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a .tiktoken file"
+                )
 
     @property
     def cache_path(self) -> Path:

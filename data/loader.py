@@ -22,14 +22,26 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 
 
 class BatchLoader:
-    def __init__(self, dataset, *, batch_size: int, micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        dataset,
+        *,
+        batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
         accum_steps = check_batch_layout(batch_size, micro_batch_size, world_size)
         if seed < 0:  # numpy's seed sequences take non-negative integers only
             raise ConfigError(f"train.seed: must be >= 0, got {seed}")
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank: {rank} is outside [0, world size {world_size})")
         if len(dataset) == 0:
-            raise ConfigError("data.seq_len: the training split holds no complete sequence; lower data.seq_len or add data")
+            raise ConfigError(
+                "data.seq_len: the training split holds no complete sequence; lower data.seq_len or add data"
+            )
         self.dataset = dataset
         self.batch_size, self.micro_batch_size = batch_size, micro_batch_size
         self.rank, self.world_size = rank, world_size
@@ -60,30 +72,46 @@ class BatchLoader:
         return {}
 
     def state_dict(self) -> dict:
-        return {"kind": "index", "consumed": self.consumed, "seed": self.seed, "num_sequences": len(self.dataset), "shuffle": int(self.shuffle)}
+        return {
+            "kind": "index",
+            "consumed": self.consumed,
+            "seed": self.seed,
+            "num_sequences": len(self.dataset),
+            "shuffle": int(self.shuffle),
+        }
 
     def load_state_dict(self, state: dict | list[dict]) -> None:
         """A state, or every rank's (checkpoints hold one per rank; for this loader they agree)."""
         state = state[0] if isinstance(state, list) else state
         if state.get("kind", "index") != "index":
-            raise ConfigError("data.source: the checkpoint was written by a streamed run; resume it with the same data settings")
+            raise ConfigError(
+                "data.source: the checkpoint was written by a streamed run; resume it with the same data settings"
+            )
         if state["num_sequences"] != len(self.dataset):
             raise ConfigError(
                 f"data.seq_len: the training split has {len(self.dataset)} sequences but the checkpoint's loader had "
                 f"{state['num_sequences']}; the data or data.seq_len changed"
             )
         if state["seed"] != self.seed or bool(state["shuffle"]) != self.shuffle:
-            raise ConfigError(f"train.seed: the checkpoint's data order used seed {state['seed']}, this run {self.seed}")
+            raise ConfigError(
+                f"train.seed: the checkpoint's data order used seed {state['seed']}, this run {self.seed}"
+            )
         self.consumed = int(state["consumed"])
 
 
 def check_batch_layout(batch_size: int, micro_batch_size: int, world_size: int) -> int:
     """Accumulation steps per optimizer step; one-line errors for a layout that does not divide."""
-    for name, value in (("train.batch_size", batch_size), ("train.micro_batch_size", micro_batch_size), ("world size", world_size)):
+    for name, value in (
+        ("train.batch_size", batch_size),
+        ("train.micro_batch_size", micro_batch_size),
+        ("world size", world_size),
+    ):
         if value < 1:
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if batch_size % (micro_batch_size * world_size):
-        raise ConfigError(f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world size ({world_size})")
+        raise ConfigError(
+            f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world size ({world_size})"
+        )
     return batch_size // (micro_batch_size * world_size)
 
 
@@ -93,17 +121,42 @@ class StreamBatchLoader:
     per rank (every worker's position); a checkpoint holds all ranks', so a run resumes exactly on
     the same world size and, for local sources, re-derives positions on another one."""
 
-    def __init__(self, stream, tokenizer, *, seq_len: int, batch_size: int, micro_batch_size: int, rank: int = 0, world_size: int = 1, seed: int = 0):
+    def __init__(
+        self,
+        stream,
+        tokenizer,
+        *,
+        seq_len: int,
+        batch_size: int,
+        micro_batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         self.accum_steps = check_batch_layout(batch_size, micro_batch_size, world_size)
         self.stream, self.tokenizer, self.seq_len = stream, tokenizer, seq_len
-        self.batch_size, self.micro_batch_size, self.rank, self.world_size, self.seed = batch_size, micro_batch_size, rank, world_size, seed
+        self.batch_size, self.micro_batch_size, self.rank, self.world_size, self.seed = (
+            batch_size,
+            micro_batch_size,
+            rank,
+            world_size,
+            seed,
+        )
         self._build(None)
 
     def _build(self, resume_from) -> None:
         from data.streaming import build_stream_loader
 
-        self.loader = build_stream_loader(self.stream, self.tokenizer, seq_len=self.seq_len, batch_size=self.micro_batch_size,
-                                          rank=self.rank, world_size=self.world_size, seed=self.seed, resume_from=resume_from)
+        self.loader = build_stream_loader(
+            self.stream,
+            self.tokenizer,
+            seq_len=self.seq_len,
+            batch_size=self.micro_batch_size,
+            rank=self.rank,
+            world_size=self.world_size,
+            seed=self.seed,
+            resume_from=resume_from,
+        )
         self._it = None
 
     def next_step(self) -> list[torch.Tensor]:
@@ -121,7 +174,9 @@ class StreamBatchLoader:
     def load_state_dict(self, states: dict | list[dict]) -> None:
         states = states if isinstance(states, list) else [states]
         if any(s.get("kind") != "stream" for s in states):
-            raise ConfigError("data.source: the checkpoint was written by an indexable (non-streamed) run; resume it with the same data settings")
+            raise ConfigError(
+                "data.source: the checkpoint was written by an indexable (non-streamed) run; resume it with the same data settings"
+            )
         if len(states) == self.world_size:
             self.loader.load_state_dict(states[self.rank]["state"])
             self._it = None
@@ -129,7 +184,9 @@ class StreamBatchLoader:
             self._build([s["state"] for s in states])
 
 
-def eval_batches(dataset, *, batch_size: int, max_batches: int, rank: int = 0, world_size: int = 1) -> Iterator[torch.Tensor]:
+def eval_batches(
+    dataset, *, batch_size: int, max_batches: int, rank: int = 0, world_size: int = 1
+) -> Iterator[torch.Tensor]:
     """A fixed validation set: the first ``batch_size * world_size * max_batches`` sequences in
     order (a multiple of the world size), each global batch split into equal contiguous
     per-rank shares. With ``batch_size`` = the per-rank micro-batch the set does not depend on
@@ -137,7 +194,9 @@ def eval_batches(dataset, *, batch_size: int, max_batches: int, rank: int = 0, w
     n = min(len(dataset), batch_size * world_size * max_batches)
     n -= n % world_size
     if n == 0:
-        raise ConfigError(f"data.val_fraction: the validation split has {len(dataset)} sequences, fewer than the {world_size} ranks")
+        raise ConfigError(
+            f"data.val_fraction: the validation split has {len(dataset)} sequences, fewer than the {world_size} ranks"
+        )
     step = batch_size * world_size
     for start in range(0, n, step):
         share = (min(start + step, n) - start) // world_size

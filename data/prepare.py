@@ -70,7 +70,9 @@ class PrepareConfig:
     def validate(self) -> None:
         check_choice("--source", self.source, SOURCES)
         if self.source == "local" and not self.path:
-            raise ConfigError("--path: required with --source local (a file, folder or glob of .txt, .jsonl or .parquet)")
+            raise ConfigError(
+                "--path: required with --source local (a file, folder or glob of .txt, .jsonl or .parquet)"
+            )
         if self.source == "embedded" and self.path:
             raise ConfigError("--path: only used with --source local; drop it or pass --source local")
         if not self.out:
@@ -87,8 +89,13 @@ class PrepareConfig:
     def data_config(self) -> DataConfig:
         """The trainer's view of the same settings (sources, tokenizer training and its cache)."""
         return DataConfig(
-            source=self.source, path=self.path, tokenizer=self.tokenizer, vocab_size=self.trained_vocab,
-            text_field=self.text_field, val_fraction=self.val_fraction, cache_dir=self.cache_dir,
+            source=self.source,
+            path=self.path,
+            tokenizer=self.tokenizer,
+            vocab_size=self.trained_vocab,
+            text_field=self.text_field,
+            val_fraction=self.val_fraction,
+            cache_dir=self.cache_dir,
         )
 
     @property
@@ -116,7 +123,9 @@ def encode_chunk(tokenizer: Tokenizer, texts: list[str]) -> tuple[np.ndarray, np
         tokens[end - n : end - 1] = ids
     tokens[ends - 1] = tokenizer.eos_id
     if tokens.size and (tokens.min() < 0 or tokens.max() >= tokenizer.vocab_size):
-        raise ConfigError(f"--tokenizer: produced id {int(tokens.max())} outside its vocabulary of {tokenizer.vocab_size}")
+        raise ConfigError(
+            f"--tokenizer: produced id {int(tokens.max())} outside its vocabulary of {tokenizer.vocab_size}"
+        )
     return tokens.astype(DTYPES[shard_dtype(tokenizer.vocab_size)]), lengths
 
 
@@ -181,7 +190,9 @@ def read_documents(cfg: PrepareConfig) -> list[Document]:
     return docs
 
 
-def resolve_tokenizer(cfg: PrepareConfig, docs: list[Document], train_docs: list[Document], content: str, log: Callable[[str], None]) -> Tokenizer:
+def resolve_tokenizer(
+    cfg: PrepareConfig, docs: list[Document], train_docs: list[Document], content: str, log: Callable[[str], None]
+) -> Tokenizer:
     """A loaded file, or a SentencePiece BPE trained (and cached) exactly as data.build trains it."""
     if cfg.tokenizer != "train":
         return load_tokenizer(cfg.tokenizer)
@@ -196,7 +207,11 @@ def resolve_tokenizer(cfg: PrepareConfig, docs: list[Document], train_docs: list
 
 
 def write_splits(
-    directory: Path, cfg: PrepareConfig, tokenizer: Tokenizer, splits: dict[str, list[Document]], progress: bool,
+    directory: Path,
+    cfg: PrepareConfig,
+    tokenizer: Tokenizer,
+    splits: dict[str, list[Document]],
+    progress: bool,
 ) -> dict[str, SplitRecord]:
     dtype = shard_dtype(tokenizer.vocab_size)
     writers = {name: SplitWriter(directory, name, dtype, cfg.shard_tokens) for name in SPLITS}
@@ -226,7 +241,9 @@ def _write_lone_document(writers: dict[str, SplitWriter], tokens: np.ndarray, va
     writers["val"].write(tokens[cut:])
 
 
-def prepare(cfg: PrepareConfig, *, tokenizer: Tokenizer | None = None, log: Callable[[str], None] = print, progress: bool = True) -> PrepareResult:
+def prepare(
+    cfg: PrepareConfig, *, tokenizer: Tokenizer | None = None, log: Callable[[str], None] = print, progress: bool = True
+) -> PrepareResult:
     """Read, split, tokenise and write ``cfg``'s documents to ``cfg.out`` (atomically).
 
     ``tokenizer``, when given, is used instead of ``cfg.tokenizer`` (any object with the
@@ -248,8 +265,13 @@ def prepare(cfg: PrepareConfig, *, tokenizer: Tokenizer | None = None, log: Call
             record.content_sha256 = _content_hash(splits[name])
         source = {"source": cfg.source, "path": cfg.path, "text_field": cfg.text_field}
         index = make_index(
-            tokenizer=tok, tokenizer_file=tok_file, splits=records, content_sha256=content,
-            val_fraction=cfg.val_fraction, shard_tokens=cfg.shard_tokens, source=source,
+            tokenizer=tok,
+            tokenizer_file=tok_file,
+            splits=records,
+            content_sha256=content,
+            val_fraction=cfg.val_fraction,
+            shard_tokens=cfg.shard_tokens,
+            source=source,
         )
         write_index(tmp, index)
     out = Path(cfg.out).expanduser()
@@ -269,14 +291,19 @@ def summary_line(out: Path, index: dict) -> str:
 # ---- command line ---------------------------------------------------------------------------
 
 # Errors raised by shared code name the trainer's config keys; the CLI names its own options.
-_CLI_NAMES = {"data.path:": "--path:", "data.text_field:": "--text-field:", "data.tokenizer:": "--tokenizer:",
-              "data.vocab_size:": "--vocab-size:", "data.val_fraction:": "--val-fraction:"}
+_CLI_NAMES = {
+    "data.path:": "--path:",
+    "data.text_field:": "--text-field:",
+    "data.tokenizer:": "--tokenizer:",
+    "data.vocab_size:": "--vocab-size:",
+    "data.val_fraction:": "--val-fraction:",
+}
 
 
 def _cli_message(message: str) -> str:
     for key, option in _CLI_NAMES.items():
         if message.startswith(key):
-            return option + message[len(key):]
+            return option + message[len(key) :]
     return message
 
 
@@ -290,19 +317,34 @@ def parse_args(argv: list[str] | None) -> PrepareConfig:
     p.add_argument("--source", choices=SOURCES, default=None, help="default: local with --path, else embedded")
     p.add_argument("--path", default="", help="local: a file, folder (recursive) or glob of .txt / .jsonl / .parquet")
     p.add_argument("--out", required=True, help="folder to write (created atomically)")
-    p.add_argument("--tokenizer", default="train", help="'train' (SentencePiece BPE on the training split) or a .model / tokenizer.json")
+    p.add_argument(
+        "--tokenizer",
+        default="train",
+        help="'train' (SentencePiece BPE on the training split) or a .model / tokenizer.json",
+    )
     p.add_argument("--vocab-size", type=int, default=0, help=f"pieces of a trained tokenizer (default {DEFAULT_VOCAB})")
     p.add_argument("--text-field", default="text", help="jsonl field / parquet column holding the text")
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS, help="tokens per shard file")
     p.add_argument("--workers", type=int, default=1, help="tokenising processes (1 = in this process)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing prepared folder (atomically)")
-    p.add_argument("--cache-dir", default="", help="where a trained tokenizer is cached (default: $FOCUSED_PRETRAIN_CACHE or ~/.cache/focused-pretrain)")
+    p.add_argument(
+        "--cache-dir",
+        default="",
+        help="where a trained tokenizer is cached (default: $FOCUSED_PRETRAIN_CACHE or ~/.cache/focused-pretrain)",
+    )
     args = p.parse_args(argv)
     return PrepareConfig(
-        out=args.out, source=args.source or ("local" if args.path else "embedded"), path=args.path,
-        tokenizer=args.tokenizer, vocab_size=args.vocab_size, text_field=args.text_field,
-        val_fraction=args.val_fraction, shard_tokens=args.shard_tokens, workers=args.workers, overwrite=args.overwrite,
+        out=args.out,
+        source=args.source or ("local" if args.path else "embedded"),
+        path=args.path,
+        tokenizer=args.tokenizer,
+        vocab_size=args.vocab_size,
+        text_field=args.text_field,
+        val_fraction=args.val_fraction,
+        shard_tokens=args.shard_tokens,
+        workers=args.workers,
+        overwrite=args.overwrite,
         cache_dir=args.cache_dir,
     )
 

@@ -124,7 +124,9 @@ class SplitWriter:
         return self.record
 
 
-def data_fingerprint(content_sha256: str, val_fraction: float, splits: dict[str, SplitRecord], tokenizer_fingerprint: str) -> str:
+def data_fingerprint(
+    content_sha256: str, val_fraction: float, splits: dict[str, SplitRecord], tokenizer_fingerprint: str
+) -> str:
     """Documents + split + tokenizer: what fixes the token streams (shard size does not)."""
     parts = [FORMAT, str(VERSION), content_sha256, repr(float(val_fraction)), tokenizer_fingerprint]
     parts += [f"{name}:{splits[name].content_sha256}" for name in SPLITS]
@@ -132,8 +134,14 @@ def data_fingerprint(content_sha256: str, val_fraction: float, splits: dict[str,
 
 
 def make_index(
-    *, tokenizer, tokenizer_file: str, splits: dict[str, SplitRecord], content_sha256: str,
-    val_fraction: float, shard_tokens: int, source: dict,
+    *,
+    tokenizer,
+    tokenizer_file: str,
+    splits: dict[str, SplitRecord],
+    content_sha256: str,
+    val_fraction: float,
+    shard_tokens: int,
+    source: dict,
 ) -> dict:
     """The ``index.json`` document. ``fingerprint`` goes into checkpoints and is checked at resume."""
     dtype = shard_dtype(tokenizer.vocab_size)
@@ -168,11 +176,15 @@ def check_output(out: Path, overwrite: bool) -> None:
     """Refuse to clobber: a complete output needs ``overwrite``; anything else that is not empty is never replaced."""
     out = Path(out)
     if out.is_file() or (out.exists() and not out.is_dir()):
-        raise ConfigError(f"--out: {str(out)!r} is a file; expected a new or empty folder, or a prepared one with --overwrite")
+        raise ConfigError(
+            f"--out: {str(out)!r} is a file; expected a new or empty folder, or a prepared one with --overwrite"
+        )
     if not out.is_dir() or not any(out.iterdir()):
         return
     if not (out / INDEX_FILE).is_file():
-        raise ConfigError(f"--out: {str(out)!r} is a non-empty folder without {INDEX_FILE}; choose a new or empty folder")
+        raise ConfigError(
+            f"--out: {str(out)!r} is a non-empty folder without {INDEX_FILE}; choose a new or empty folder"
+        )
     if not overwrite:
         raise ConfigError(f"--out: {str(out)!r} already holds prepared shards; pass --overwrite to replace them")
 
@@ -340,10 +352,14 @@ def _field(index: dict, path: str, kind: type | tuple[type, ...], where: Path):
     value = index
     for key in path.split("."):
         if not isinstance(value, dict) or key not in value:
-            raise ConfigError(f"data.path: {where} is not a valid shard index (no field {path!r}); re-run python -m data.prepare")
+            raise ConfigError(
+                f"data.path: {where} is not a valid shard index (no field {path!r}); re-run python -m data.prepare"
+            )
         value = value[key]
     if not isinstance(value, kind) or isinstance(value, bool):
-        raise ConfigError(f"data.path: {where} is not a valid shard index (field {path!r} has the wrong type); re-run python -m data.prepare")
+        raise ConfigError(
+            f"data.path: {where} is not a valid shard index (field {path!r} has the wrong type); re-run python -m data.prepare"
+        )
     return value
 
 
@@ -352,15 +368,21 @@ def read_index(directory: str | Path) -> dict:
     directory = Path(directory).expanduser()
     path = directory / INDEX_FILE
     if not path.is_file():
-        raise ConfigError(f"data.path: {str(directory)!r} has no {INDEX_FILE}; expected a folder written by python -m data.prepare")
+        raise ConfigError(
+            f"data.path: {str(directory)!r} has no {INDEX_FILE}; expected a folder written by python -m data.prepare"
+        )
     try:
         index = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"data.path: {path} is not valid JSON ({exc.__class__.__name__}); re-run python -m data.prepare") from None
+        raise ConfigError(
+            f"data.path: {path} is not valid JSON ({exc.__class__.__name__}); re-run python -m data.prepare"
+        ) from None
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise ConfigError(f"data.path: {path} is not a {FORMAT} index; re-run python -m data.prepare")
     if index.get("version") != VERSION:
-        raise ConfigError(f"data.path: {path} has format version {index.get('version')!r}, this code reads {VERSION}; re-run python -m data.prepare")
+        raise ConfigError(
+            f"data.path: {path} has format version {index.get('version')!r}, this code reads {VERSION}; re-run python -m data.prepare"
+        )
     if _field(index, "dtype", str, path) not in DTYPES:
         raise ConfigError(f"data.path: {path} has dtype {index['dtype']!r}; expected one of {', '.join(DTYPES)}")
     for name in ("vocab_size", "eos_id"):
@@ -369,8 +391,14 @@ def read_index(directory: str | Path) -> dict:
         _field(index, name, str, path)
     for split in SPLITS:
         for shard in _field(index, f"splits.{split}.shards", list, path):
-            if not isinstance(shard, dict) or not isinstance(shard.get("file"), str) or not isinstance(shard.get("tokens"), int):
-                raise ConfigError(f"data.path: {path} is not a valid shard index (a {split} shard lacks file / tokens); re-run python -m data.prepare")
+            if (
+                not isinstance(shard, dict)
+                or not isinstance(shard.get("file"), str)
+                or not isinstance(shard.get("tokens"), int)
+            ):
+                raise ConfigError(
+                    f"data.path: {path} is not a valid shard index (a {split} shard lacks file / tokens); re-run python -m data.prepare"
+                )
     return index
 
 
@@ -382,7 +410,9 @@ def open_split(directory: str | Path, index: dict, split: str, seq_len: int) -> 
     for shard in index["splits"][split]["shards"]:
         path = directory / shard["file"]
         if not path.is_file():
-            raise ConfigError(f"data.path: shard {path} listed in {INDEX_FILE} is missing; re-run python -m data.prepare")
+            raise ConfigError(
+                f"data.path: shard {path} listed in {INDEX_FILE} is missing; re-run python -m data.prepare"
+            )
         expected = shard["tokens"] * itemsize
         actual = path.stat().st_size
         if actual != expected:
@@ -401,7 +431,9 @@ def open_prepared(directory: str | Path, seq_len: int) -> tuple[PreparedDataset,
     index = read_index(directory)
     tok = Path(directory).expanduser() / index["tokenizer"]["file"]
     if not tok.is_file():
-        raise ConfigError(f"data.path: the tokenizer {tok} listed in {INDEX_FILE} is missing; re-run python -m data.prepare")
+        raise ConfigError(
+            f"data.path: the tokenizer {tok} listed in {INDEX_FILE} is missing; re-run python -m data.prepare"
+        )
     train = open_split(directory, index, "train", seq_len)
     val = open_split(directory, index, "val", seq_len)
     return train, val, index
@@ -413,5 +445,7 @@ def load_prepared_tokenizer(directory: str | Path, index: dict):
 
     tok = load_tokenizer(Path(directory).expanduser() / index["tokenizer"]["file"])
     if tok.fingerprint != index["tokenizer"]["fingerprint"]:
-        raise ConfigError(f"data.path: {tok.path} does not match the tokenizer fingerprint in {INDEX_FILE}; re-run python -m data.prepare")
+        raise ConfigError(
+            f"data.path: {tok.path} does not match the tokenizer fingerprint in {INDEX_FILE}; re-run python -m data.prepare"
+        )
     return tok

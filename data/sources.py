@@ -32,7 +32,9 @@ def normalise_text(raw: bytes | str, *, where: str = "") -> str:
         try:
             text = raw.decode("utf-8-sig")
         except UnicodeDecodeError as exc:
-            raise ConfigError(f"data.path: {where or 'a document'} is not UTF-8 text (invalid byte at offset {exc.start})") from None
+            raise ConfigError(
+                f"data.path: {where or 'a document'} is not UTF-8 text (invalid byte at offset {exc.start})"
+            ) from None
     else:
         text = raw.removeprefix("\ufeff")
     return text.replace("\r\n", "\n").replace("\r", "\n")
@@ -68,7 +70,9 @@ def resolve_paths(path: str) -> list[Path]:
     if p.is_dir():
         files = [f for f in p.rglob("*") if f.is_file() and f.suffix in EXTENSIONS]
     elif _is_glob(path):
-        files = [Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file() and Path(f).suffix in EXTENSIONS]
+        files = [
+            Path(f) for f in glob.glob(str(p), recursive=True) if Path(f).is_file() and Path(f).suffix in EXTENSIONS
+        ]
     else:
         raise ConfigError(f"data.path: {path!r} does not exist; expected {allowed}")
     if not files:

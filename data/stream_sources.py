@@ -39,10 +39,18 @@ class HubSource:
 HUB_SOURCES: dict[str, HubSource] = {
     s.name: s
     for s in (
-        HubSource("slimpajama", "cerebras/SlimPajama-627B", splits=("train", "validation", "test"), meta_field="meta.redpajama_set_name"),
         HubSource(
-            "fineweb-edu", "HuggingFaceFW/fineweb-edu", configs=("sample-10BT", "sample-100BT", "sample-350BT", "default"),
-            default_config="sample-10BT", meta_field="dump",
+            "slimpajama",
+            "cerebras/SlimPajama-627B",
+            splits=("train", "validation", "test"),
+            meta_field="meta.redpajama_set_name",
+        ),
+        HubSource(
+            "fineweb-edu",
+            "HuggingFaceFW/fineweb-edu",
+            configs=("sample-10BT", "sample-100BT", "sample-350BT", "default"),
+            default_config="sample-10BT",
+            meta_field="dump",
         ),
         HubSource("openwebtext", "Skylion007/openwebtext"),
         HubSource("pg19", "deepmind/pg19", splits=("train", "validation", "test"), meta_field="short_book_title"),
@@ -79,11 +87,15 @@ class SourceSpec:
             ds = datasets.load_dataset(self.hub.path, self.config, split=self.split, streaming=True)
         else:
             extra = {"sample_by": "document"} if self.builder == "text" else {}
-            ds = datasets.load_dataset(self.builder, data_files=list(self.files), split="train", streaming=True, **extra)
+            ds = datasets.load_dataset(
+                self.builder, data_files=list(self.files), split="train", streaming=True, **extra
+            )
         columns = [self.text_field.split(".")[0]] + ([self.meta_field.split(".")[0]] if self.meta_field else [])
         if ds.features is not None:
             if columns[0] not in ds.features:
-                raise ConfigError(f"data.text_field: source {self.name!r} has no field {self.text_field!r} (fields: {', '.join(ds.features)})")
+                raise ConfigError(
+                    f"data.text_field: source {self.name!r} has no field {self.text_field!r} (fields: {', '.join(ds.features)})"
+                )
             columns = [c for c in dict.fromkeys(columns) if c in ds.features]  # a missing label column is no error
             ds = ds.select_columns(columns)
         return ds
@@ -96,10 +108,14 @@ def _local_spec(name: str, path: str, text_field: str, key: str, files: list[Pat
     files = files or resolve_paths(path)
     kinds = sorted({f.suffix for f in files})
     if len(kinds) > 1:
-        raise ConfigError(f"{key}: {path!r} mixes {' and '.join(kinds)} files; a streamed source holds one file type (use data.mixture for several)")
+        raise ConfigError(
+            f"{key}: {path!r} mixes {' and '.join(kinds)} files; a streamed source holds one file type (use data.mixture for several)"
+        )
     root = _root(path)
     return SourceSpec(
-        name=name, text_field=text_field or "text", files=tuple(str(f) for f in files),
+        name=name,
+        text_field=text_field or "text",
+        files=tuple(str(f) for f in files),
         shard_names=tuple(_doc_name(f, root) for f in files),
     )
 
@@ -112,26 +128,44 @@ def _hub_spec(name: str, source: HubSource, config: str, split: str, key: str) -
     if split not in source.splits:
         raise ConfigError(f"data.split: {split!r} is not a split of {source.name}; one of {', '.join(source.splits)}")
     return SourceSpec(
-        name=name, text_field=source.text_field, meta_field=source.meta_field, hub=source,
-        config=(config or source.default_config) if source.configs else None, split=split,
+        name=name,
+        text_field=source.text_field,
+        meta_field=source.meta_field,
+        hub=source,
+        config=(config or source.default_config) if source.configs else None,
+        split=split,
     )
 
 
-def resolve_source(key: str, *, path: str = "", config: str = "", split: str = "train", text_field: str = "", field: str = "data.source") -> SourceSpec:
+def resolve_source(
+    key: str,
+    *,
+    path: str = "",
+    config: str = "",
+    split: str = "train",
+    text_field: str = "",
+    field: str = "data.source",
+) -> SourceSpec:
     """``key``: a named source, ``local`` (then ``path``), or in a mixture ``name:config`` / a local path."""
     if key == LOCAL:
         if not path:
-            raise ConfigError(f"data.path: required with {field} = 'local' (a file, folder or glob of .txt, .jsonl or .parquet)")
+            raise ConfigError(
+                f"data.path: required with {field} = 'local' (a file, folder or glob of .txt, .jsonl or .parquet)"
+            )
         return _local_spec(path, path, text_field, "data.path")
     name, _, key_config = key.partition(":")
     if name in HUB_SOURCES:
-        return _hub_spec(key, HUB_SOURCES[name], key_config or config, split, field if key_config else "data.config_name")
+        return _hub_spec(
+            key, HUB_SOURCES[name], key_config or config, split, field if key_config else "data.config_name"
+        )
     if field == "data.source":
         raise ConfigError(f"data.source: {key!r} is not one of {', '.join([*HUB_SOURCES, LOCAL])}")
     try:
         files = resolve_paths(key)
     except ConfigError:
-        raise ConfigError(f"{field}: {key!r} is neither a named source ({', '.join(HUB_SOURCES)}[:config]) nor an existing file, folder or glob of .txt, .jsonl or .parquet") from None
+        raise ConfigError(
+            f"{field}: {key!r} is neither a named source ({', '.join(HUB_SOURCES)}[:config]) nor an existing file, folder or glob of .txt, .jsonl or .parquet"
+        ) from None
     return _local_spec(key, key, text_field, field, files)
 
 
@@ -187,11 +221,15 @@ class ShardReader:
         except StopIteration:
             return None
         except UnicodeDecodeError:
-            raise ConfigError(f"data.path: {self.spec.shard_name(self.shards[self.cursor.shard])} is not UTF-8 text") from None
+            raise ConfigError(
+                f"data.path: {self.spec.shard_name(self.shards[self.cursor.shard])} is not UTF-8 text"
+            ) from None
         self._next_hf = self._ds.state_dict()
         texts = _values(batch, self.spec.text_field, self.spec.name)
         if any(t is not None and not isinstance(t, str) for t in texts):
-            raise ConfigError(f"data.text_field: field {self.spec.text_field!r} of source {self.spec.name!r} does not hold strings")
+            raise ConfigError(
+                f"data.text_field: field {self.spec.text_field!r} of source {self.spec.name!r} does not hold strings"
+            )
         meta = self.spec.meta_field
         metas = _values(batch, meta, self.spec.name) if meta and meta.split(".")[0] in batch else [None] * len(texts)
         return start, list(zip(texts, metas))

@@ -82,7 +82,9 @@ class StreamConfig:
     split: str = "train"  # hub split
     text_field: str = ""  # local jsonl / parquet field; "" = "text" (hub sources use their registry field)
     shuffle_window: int = 1024  # documents shuffled together; 0 = the source's order
-    mixture: dict[str, float] = field(default_factory=dict)  # {named source[:config] or local path: weight}; replaces source
+    mixture: dict[str, float] = field(
+        default_factory=dict
+    )  # {named source[:config] or local path: weight}; replaces source
     num_workers: int = 2  # loader worker processes per rank
     seed: int = 0
     document_masking: bool = False  # also yield per-token document indices
@@ -97,17 +99,30 @@ class StreamConfig:
         check_min("data.seed", self.seed, 0)  # numpy seed sequences take non-negative integers
         if not self.mixture:
             if self.source != LOCAL and self.path:
-                raise ConfigError(f"data.path: must be empty with data.source = {self.source!r} (a named hub source), got {self.path!r}")
-            spec = resolve_source(self.source, path=self.path, config=self.config_name, split=self.split, text_field=self.text_field)
+                raise ConfigError(
+                    f"data.path: must be empty with data.source = {self.source!r} (a named hub source), got {self.path!r}"
+                )
+            spec = resolve_source(
+                self.source, path=self.path, config=self.config_name, split=self.split, text_field=self.text_field
+            )
             return [(spec, 1.0)]
         if self.path or self.config_name:
             key = "data.path" if self.path else "data.config_name"
-            raise ConfigError(f"{key}: must be empty with data.mixture; name local paths and 'source:config' in the mixture's keys")
+            raise ConfigError(
+                f"{key}: must be empty with data.mixture; name local paths and 'source:config' in the mixture's keys"
+            )
         specs = []
         for key, weight in self.mixture.items():
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) or weight <= 0:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)
+                or weight <= 0
+            ):
                 raise ConfigError(f"data.mixture: the weight of {key!r} must be a finite number > 0, got {weight!r}")
-            specs.append((resolve_source(key, split=self.split, text_field=self.text_field, field="data.mixture"), float(weight)))
+            specs.append(
+                (resolve_source(key, split=self.split, text_field=self.text_field, field="data.mixture"), float(weight))
+            )
         total = sum(w for _, w in specs)
         return [(s, w / total) for s, w in specs]
 
@@ -132,14 +147,22 @@ class _SourceStream:
     ``rule``: after a world-size change, which positions of early epochs the previous run consumed.
     """
 
-    def __init__(self, spec: SourceSpec, base, *, seed: int, window: int, worker: int, workers: int, tokenizer, state: dict):
+    def __init__(
+        self, spec: SourceSpec, base, *, seed: int, window: int, worker: int, workers: int, tokenizer, state: dict
+    ):
         self.spec, self.base, self.seed, self.tokenizer = spec, base, seed, tokenizer
         self.shuffle = window > 0
         self.W = window or UNSHUFFLED_WINDOW
         self.g, self.G = worker, workers
         self.key = _name_key(spec.name)
         self.by_shards = spec.kind == "hub" and base.num_shards % workers == 0
-        self.epoch, self.k, self.next, self.rho, self.rule = state["epoch"], state["window"], state["next"], state["rho"], state["rule"]
+        self.epoch, self.k, self.next, self.rho, self.rule = (
+            state["epoch"],
+            state["window"],
+            state["next"],
+            state["rho"],
+            state["rule"],
+        )
         self.cursor = Cursor(*state["cursor"])
         clean = state["cursor"] == [0, None, 0, 0] and self.k == 0 and self.next == 0 and self.rule is None
         self._kept_in_epoch: int | None = 0 if clean else None  # unknown when restored mid-epoch
@@ -152,7 +175,14 @@ class _SourceStream:
 
     def state(self) -> dict:
         c = self.cursor
-        return {"epoch": self.epoch, "cursor": [c.shard, c.hf, c.skip, c.row], "window": self.k, "next": self.next, "rho": self.rho, "rule": self.rule}
+        return {
+            "epoch": self.epoch,
+            "cursor": [c.shard, c.hf, c.skip, c.row],
+            "window": self.k,
+            "next": self.next,
+            "rho": self.rho,
+            "rule": self.rule,
+        }
 
     def _shards(self, epoch: int) -> list[int]:
         n = self.base.num_shards
@@ -196,7 +226,11 @@ class _SourceStream:
             self._end_epoch()
         self._end_cursor = replace(self._reader.cursor)
         gtag = self.g + 1 if self.by_shards else 0  # examples mode: one order for every worker and world size
-        order = _rng(self.seed, _WINDOW, self.key, self.epoch, self.k, gtag).permutation(len(rows)) if self.shuffle else range(len(rows))
+        order = (
+            _rng(self.seed, _WINDOW, self.key, self.epoch, self.k, gtag).permutation(len(rows))
+            if self.shuffle
+            else range(len(rows))
+        )
         limits, rho, kept = self._rule_limits(), self.rho, []
         for j, r in enumerate(order):
             pos = self.k * self.W + j
@@ -205,14 +239,28 @@ class _SourceStream:
             if keep and text is not None:  # a null text is no document; its position still counts
                 name = self.spec.shard_name(shard)
                 doc_id = name if self.spec.kind == LOCAL and self.spec.builder == "text" else f"{name}:{row}"
-                kept.append((pos, StreamDoc(self.spec.name, doc_id, normalise_text(text), self.epoch, None if meta is None else str(meta))))
+                kept.append(
+                    (
+                        pos,
+                        StreamDoc(
+                            self.spec.name,
+                            doc_id,
+                            normalise_text(text),
+                            self.epoch,
+                            None if meta is None else str(meta),
+                        ),
+                    )
+                )
         self._rho_end, self._kept, self._tokens = rho, kept, None
         self._i = next((i for i, (pos, _) in enumerate(kept) if pos >= self.next), len(kept))
 
     def _window_tokens(self) -> list[np.ndarray]:
         if self._tokens is None:  # the whole window in one encode_batch call
             eos = self.tokenizer.eos_id
-            self._tokens = [np.asarray([*ids, eos], dtype=np.int64) for ids in self.tokenizer.encode_batch([d.text for _, d in self._kept])]
+            self._tokens = [
+                np.asarray([*ids, eos], dtype=np.int64)
+                for ids in self.tokenizer.encode_batch([d.text for _, d in self._kept])
+            ]
         return self._tokens
 
     def take(self) -> tuple[int, StreamDoc, np.ndarray | None]:
@@ -238,7 +286,9 @@ class _SourceStream:
 
 class DocumentBatch(NamedTuple):
     tokens: torch.Tensor  # [B, T + 1] int64
-    doc_ids: torch.Tensor  # [B, T + 1] int64: index of each token's document within its sequence (EOS ends its document)
+    doc_ids: (
+        torch.Tensor
+    )  # [B, T + 1] int64: index of each token's document within its sequence (EOS ends its document)
 
 
 class _Worker:
@@ -267,9 +317,19 @@ class _Worker:
     def state(self) -> dict:
         draws, streams = self._before
         return {
-            "format": STATE_FORMAT, "worker": self.g, "workers": self.G, "seed": self.ds.seed, "window": self.ds.window,
-            "sources": self.ds.source_names, "generation": self.generation, "draws": draws, "streams": streams,
-            "current": self.current, "pos": self.pos, "doc_epoch": self.doc_epoch, "token_offset": self.offset,
+            "format": STATE_FORMAT,
+            "worker": self.g,
+            "workers": self.G,
+            "seed": self.ds.seed,
+            "window": self.ds.window,
+            "sources": self.ds.source_names,
+            "generation": self.generation,
+            "draws": draws,
+            "streams": streams,
+            "current": self.current,
+            "pos": self.pos,
+            "doc_epoch": self.doc_epoch,
+            "token_offset": self.offset,
             "tokens": list(self.counts),
         }
 
@@ -303,7 +363,9 @@ class _Worker:
             piece = self.doc_tokens[self.offset : self.offset + need]
             parts.append(piece)
             ids.append(np.full(len(piece), len(ids), dtype=np.int64))
-            self.counts[self.current] += len(piece) - (1 if len(ids) == 1 else 0)  # targets only: not the shared first token
+            self.counts[self.current] += len(piece) - (
+                1 if len(ids) == 1 else 0
+            )  # targets only: not the shared first token
             self.offset += len(piece)
             need -= len(piece)
         self.offset -= 1
@@ -352,7 +414,16 @@ class StreamDataset(torch.utils.data.IterableDataset):
     rank of a run with another ranks x workers count, to re-derive positions (local sources only).
     """
 
-    def __init__(self, cfg: StreamConfig, tokenizer=None, *, seq_len: int = 0, rank: int = 0, world_size: int = 1, resume_from=None):
+    def __init__(
+        self,
+        cfg: StreamConfig,
+        tokenizer=None,
+        *,
+        seq_len: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        resume_from=None,
+    ):
         check_min("world size", world_size, 1)
         if not 0 <= rank < world_size:
             raise ConfigError(f"rank: {rank} is outside [0, world size {world_size})")
@@ -380,9 +451,20 @@ class StreamDataset(torch.utils.data.IterableDataset):
 
     def _fresh_state(self, g: int, G: int) -> dict:
         return {
-            "format": STATE_FORMAT, "worker": g, "workers": G, "seed": self.seed, "window": self.window,
-            "sources": self.source_names, "generation": 0, "draws": 0, "streams": [_SourceStream.fresh_state() for _ in self.specs],
-            "current": -1, "pos": -1, "doc_epoch": -1, "token_offset": 0, "tokens": [0] * len(self.specs),
+            "format": STATE_FORMAT,
+            "worker": g,
+            "workers": G,
+            "seed": self.seed,
+            "window": self.window,
+            "sources": self.source_names,
+            "generation": 0,
+            "draws": 0,
+            "streams": [_SourceStream.fresh_state() for _ in self.specs],
+            "current": -1,
+            "pos": -1,
+            "doc_epoch": -1,
+            "token_offset": 0,
+            "tokens": [0] * len(self.specs),
         }
 
     def _start_state(self, g: int, G: int) -> dict:
@@ -396,7 +478,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
     def _check_same_run(self, state: dict) -> None:
         if state["sources"] != self.source_names:
             key = "data.mixture" if len(self.source_names) > 1 else "data.source"
-            raise ConfigError(f"{key}: the checkpoint streamed {', '.join(state['sources'])}, this run {', '.join(self.source_names)}")
+            raise ConfigError(
+                f"{key}: the checkpoint streamed {', '.join(state['sources'])}, this run {', '.join(self.source_names)}"
+            )
         if state["seed"] != self.seed or state["window"] != self.window:
             raise ConfigError(
                 f"data.seed: the checkpoint's stream used seed {state['seed']} and shuffle window {state['window']}, "
@@ -426,9 +510,13 @@ class StreamDataset(torch.utils.data.IterableDataset):
     def load_state_dict(self, state: dict) -> None:
         g, G = self._worker()
         if state.get("format") != STATE_FORMAT:
-            raise ConfigError(f"data: not a streaming loader state (format {state.get('format')!r}, expected {STATE_FORMAT!r})")
+            raise ConfigError(
+                f"data: not a streaming loader state (format {state.get('format')!r}, expected {STATE_FORMAT!r})"
+            )
         if (state["worker"], state["workers"]) != (g, G):
-            raise ConfigError(f"data: the state is for loader worker {state['worker']} of {state['workers']}, this is worker {g} of {G}")
+            raise ConfigError(
+                f"data: the state is for loader worker {state['worker']} of {state['workers']}, this is worker {g} of {G}"
+            )
         self._check_same_run(state)
         self._pending, self._live = state, None
 
@@ -438,7 +526,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
             raise ConfigError("data: resume_from holds no streaming loader state")
         G_old = states[0]["workers"]
         if [s["worker"] for s in states] != list(range(G_old)):
-            raise ConfigError(f"data: resume_from holds the states of loader workers {[s['worker'] for s in states]} of {G_old}; pass every rank's loader state")
+            raise ConfigError(
+                f"data: resume_from holds the states of loader workers {[s['worker'] for s in states]} of {G_old}; pass every rank's loader state"
+            )
         for s in states:
             self._check_same_run(s)
 
@@ -460,7 +550,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
                     f"resume with ranks x loader workers = {G_old}"
                 )
         if any(s["rule"] is not None for st in old for s in st["streams"]):
-            raise ConfigError(f"data: the world size changed again before the epoch of the previous change ended; resume with ranks x loader workers = {G_old}")
+            raise ConfigError(
+                f"data: the world size changed again before the epoch of the previous change ended; resume with ranks x loader workers = {G_old}"
+            )
         state = self._fresh_state(g, G)
         state["generation"] = max(s["generation"] for s in old) + 1
         state["streams"] = [self._residual(i, old) for i in range(len(self.specs))]
@@ -481,7 +573,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
                     entry = (st["doc_epoch"], st["pos"] + 1, [0, None, 0, 0], 0)
             entries.append(entry)
         first, last = min(e[0] for e in entries), max(e[0] for e in entries)
-        limits = [[None if e > epoch else (limit if e == epoch else 0) for e, limit, _, _ in entries] for epoch in range(first, last + 1)]
+        limits = [
+            [None if e > epoch else (limit if e == epoch else 0) for e, limit, _, _ in entries]
+            for epoch in range(first, last + 1)
+        ]
         _, _, cursor, window = min((e for e in entries if e[0] == first), key=lambda e: e[1])
         W = self.window or UNSHUFFLED_WINDOW
         rule = {"workers": len(old), "first": first, "limits": limits}
@@ -501,7 +596,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
         """The documents, in packing order, of loader worker ``worker_id`` of ``num_workers`` on this rank, endless."""
         yield from self._begin(worker_id, num_workers, tokenize=False).documents()
 
-    def sequences(self, worker_id: int | None = None, num_workers: int | None = None) -> Iterator[torch.Tensor | DocumentBatch]:
+    def sequences(
+        self, worker_id: int | None = None, num_workers: int | None = None
+    ) -> Iterator[torch.Tensor | DocumentBatch]:
         if self.tokenizer is None:
             raise ConfigError("data.tokenizer: packing sequences needs a tokenizer")
         self._live = self._begin(worker_id, num_workers, tokenize=True)
@@ -538,15 +635,27 @@ class StreamLoader(StatefulDataLoader):
 
 
 def build_stream_loader(
-    cfg: StreamConfig, tokenizer, *, seq_len: int, batch_size: int, rank: int = 0, world_size: int = 1,
-    num_workers: int | None = None, seed: int | None = None, resume_from=None,
+    cfg: StreamConfig,
+    tokenizer,
+    *,
+    seq_len: int,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    num_workers: int | None = None,
+    seed: int | None = None,
+    resume_from=None,
 ) -> StreamLoader:
     """Batches [batch_size, seq_len + 1] int64 (DocumentBatch with cfg.document_masking) for one rank.
 
     ``num_workers`` / ``seed`` override the config's. ``resume_from``: every rank's loader state of a run
     with another ranks x workers count (a same-count run loads its own state with ``load_state_dict``)."""
     check_min("train.batch_size", batch_size, 1)
-    cfg = replace(cfg, num_workers=cfg.num_workers if num_workers is None else num_workers, seed=cfg.seed if seed is None else seed)
+    cfg = replace(
+        cfg,
+        num_workers=cfg.num_workers if num_workers is None else num_workers,
+        seed=cfg.seed if seed is None else seed,
+    )
     ds = StreamDataset(cfg, tokenizer, seq_len=seq_len, rank=rank, world_size=world_size, resume_from=resume_from)
     ds.check_resume(cfg.num_workers)
     return StreamLoader(ds, batch_size=batch_size, num_workers=cfg.num_workers)

@@ -100,12 +100,16 @@ class HFTokenizer(Tokenizer):
         try:
             self.tok = HFTok.from_str(data.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for any parse error
-            raise ConfigError(f"data.tokenizer: {path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})") from None
+            raise ConfigError(
+                f"data.tokenizer: {path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})"
+            ) from None
         self.fingerprint = hashlib.sha256(data).hexdigest()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
         eos = [i for i in map(self.tok.token_to_id, EOS_CANDIDATES) if i is not None]
         if not eos:
-            raise ConfigError(f"data.tokenizer: {path} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}")
+            raise ConfigError(
+                f"data.tokenizer: {path} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}"
+            )
         self.eos_id = eos[0]
         bos = [i for i in map(self.tok.token_to_id, BOS_CANDIDATES) if i is not None]
         self.bos_id = bos[0] if bos else None
@@ -136,13 +140,17 @@ class TiktokenTokenizer(Tokenizer):
         self.file_name = self.path.name
         name = self.path.stem
         if name not in self.ENCODINGS or not hasattr(public, name):
-            raise ConfigError(f"data.tokenizer: {path} must be named after its encoding: one of {', '.join(e + '.tiktoken' for e in self.ENCODINGS)}")
+            raise ConfigError(
+                f"data.tokenizer: {path} must be named after its encoding: one of {', '.join(e + '.tiktoken' for e in self.ENCODINGS)}"
+            )
         data = self.path.read_bytes()
         self.fingerprint = hashlib.sha256(data).hexdigest()
         try:
             ranks = load_tiktoken_bpe(str(self.path))
         except Exception as exc:  # noqa: BLE001 - a malformed line raises ValueError / binascii.Error
-            raise ConfigError(f"data.tokenizer: {path} is not a tiktoken ranks file ({exc.__class__.__name__})") from None
+            raise ConfigError(
+                f"data.tokenizer: {path} is not a tiktoken ranks file ({exc.__class__.__name__})"
+            ) from None
         original = public.load_tiktoken_bpe
         public.load_tiktoken_bpe = lambda *_a, **_k: ranks  # the definition's download, answered locally
         try:
@@ -217,7 +225,9 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, out_path: Path
     if model_type not in MODEL_TYPES:
         raise ConfigError(f"--model-type: {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     if vocab_size < MIN_TRAINED_VOCAB:
-        raise ConfigError(f"data.vocab_size: {vocab_size} is too small for a trained tokenizer; must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + specials)")
+        raise ConfigError(
+            f"data.vocab_size: {vocab_size} is too small for a trained tokenizer; must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + specials)"
+        )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
@@ -234,7 +244,9 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, out_path: Path
         )
     except RuntimeError as exc:
         reason = str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__
-        raise ConfigError(f"data.vocab_size: SentencePiece could not train {vocab_size} pieces on this text ({reason})") from None
+        raise ConfigError(
+            f"data.vocab_size: SentencePiece could not train {vocab_size} pieces on this text ({reason})"
+        ) from None
     tmp = out_path.with_name(f"{out_path.name}.tmp{os.getpid()}")
     tmp.write_bytes(model.getvalue())
     os.replace(tmp, out_path)
@@ -250,7 +262,12 @@ def trained_tokenizer_key(corpus_fingerprint: str, vocab_size: int, model_type: 
 
 
 def get_tokenizer(
-    cfg, *, vocab_size: int, corpus_fingerprint: str, texts: Callable[[], Iterable[str]], log: Callable[[str], None] = print
+    cfg,
+    *,
+    vocab_size: int,
+    corpus_fingerprint: str,
+    texts: Callable[[], Iterable[str]],
+    log: Callable[[str], None] = print,
 ) -> Tokenizer:
     """``cfg.tokenizer`` a path: load it. ``"train"``: a SentencePiece BPE with ``cfg.vocab_size or
     vocab_size`` pieces on ``texts()``, cached under ``cache_dir/tokenizers``."""
@@ -263,7 +280,9 @@ def get_tokenizer(
         return tok
     size = cfg.vocab_size or vocab_size
     if size > vocab_size:
-        raise ConfigError(f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {size} tokens (data.vocab_size)")
+        raise ConfigError(
+            f"model.vocab_size: {vocab_size} is smaller than the tokenizer's {size} tokens (data.vocab_size)"
+        )
     path = cfg.cache_path / "tokenizers" / f"{trained_tokenizer_key(corpus_fingerprint, size)}.model"
     if path.is_file():
         log(f"tokenizer: cached SentencePiece BPE, {size} pieces ({path})")
@@ -306,7 +325,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "train":
             if not args.out.endswith(".model"):
                 raise ConfigError(f"--out: {args.out!r} must end in .model")
-            out = train_sentencepiece(_read_inputs(args.input), vocab_size=args.vocab_size, out_path=Path(args.out), model_type=args.model_type)
+            out = train_sentencepiece(
+                _read_inputs(args.input),
+                vocab_size=args.vocab_size,
+                out_path=Path(args.out),
+                model_type=args.model_type,
+            )
             print(f"saved {out} ({SentencePieceTokenizer(out).vocab_size} pieces)")
         else:
             print(" ".join(map(str, load_tokenizer(args.tokenizer).encode(args.text))))

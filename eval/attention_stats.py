@@ -84,6 +84,12 @@ def focus_composition(model, batches: list[Tensor], tokenizer, *, device, top: i
         for g in range(n_groups):
             members = ids[groups == g].tolist()
             common = Counter(members).most_common(top)
-            entries.append({"group": g, "share": len(members) / len(ids), "top_tokens": [[tokenizer.decode([t]), n] for t, n in common]})
+            entries.append(
+                {
+                    "group": g,
+                    "share": len(members) / len(ids),
+                    "top_tokens": [[tokenizer.decode([t]), n] for t, n in common],
+                }
+            )
         out.append({"layer": layer, "groups": entries})
     return out

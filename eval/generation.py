@@ -22,7 +22,9 @@ class Generator(Protocol):
 
     def encode(self, text: str) -> list[int]: ...
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int, *, stop: Sequence[str] = (), temperature: float = 0.0) -> str: ...
+    def generate(
+        self, prompt: str | list[int], max_new_tokens: int, *, stop: Sequence[str] = (), temperature: float = 0.0
+    ) -> str: ...
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -43,7 +45,16 @@ class TextGenerator:
         return self.tokenizer.decode(list(ids))
 
     @torch.no_grad()
-    def generate_ids(self, ids: Sequence[int], max_new_tokens: int, *, stop: Sequence[str] = (), temperature: float = 0.0, top_k: int | None = None, seed: int = 0) -> list[int]:
+    def generate_ids(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop: Sequence[str] = (),
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> list[int]:
         """New token ids after ``ids`` (left-truncated to fit ``max_context`` with the new tokens)."""
         if max_new_tokens < 1:
             return []
@@ -55,8 +66,13 @@ class TextGenerator:
         self.model.eval()
         try:
             out = self.model.generate(
-                torch.tensor([ids], device=self.device), max_new_tokens, temperature=temperature, top_k=top_k,
-                eos_id=self.tokenizer.eos_id, generator=gen, stop=check,
+                torch.tensor([ids], device=self.device),
+                max_new_tokens,
+                temperature=temperature,
+                top_k=top_k,
+                eos_id=self.tokenizer.eos_id,
+                generator=gen,
+                stop=check,
             )
         finally:
             self.model.train(was_training)
@@ -64,8 +80,19 @@ class TextGenerator:
         eos = self.tokenizer.eos_id
         return new[: new.index(eos)] if eos in new else new
 
-    def generate(self, prompt: str | Sequence[int], max_new_tokens: int, *, stop: Sequence[str] = (), temperature: float = 0.0, top_k: int | None = None, seed: int = 0) -> str:
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int,
+        *,
+        stop: Sequence[str] = (),
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        seed: int = 0,
+    ) -> str:
         """The continuation of ``prompt`` as text, cut before the first stop string."""
         ids = self.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        text = self.decode(self.generate_ids(ids, max_new_tokens, stop=stop, temperature=temperature, top_k=top_k, seed=seed))
+        text = self.decode(
+            self.generate_ids(ids, max_new_tokens, stop=stop, temperature=temperature, top_k=top_k, seed=seed)
+        )
         return cut_at_stop(text, stop)[0]

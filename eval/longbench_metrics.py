@@ -26,7 +26,6 @@ from collections.abc import Sequence
 from functools import lru_cache
 from typing import Protocol
 
-
 from model.errors import ConfigError
 
 
@@ -46,7 +45,9 @@ def _jieba():
     try:
         import jieba
     except ImportError:
-        raise ConfigError("longbench: Chinese metrics (multifieldqa_zh, dureader, vcsum) need jieba: pip install jieba") from None
+        raise ConfigError(
+            "longbench: Chinese metrics (multifieldqa_zh, dureader, vcsum) need jieba: pip install jieba"
+        ) from None
     return jieba
 
 
@@ -179,7 +180,9 @@ def code_sim_score(prediction: str, ground_truth: str, *, all_classes: Sequence[
         return 1.0
     if not line or not ground_truth:  # fuzzywuzzy scores an empty side 0
         return 0.0
-    return round(_optional("rapidfuzz.fuzz", "rapidfuzz").ratio(line, ground_truth)) / 100  # fuzzywuzzy returns an integer percentage
+    return (
+        round(_optional("rapidfuzz.fuzz", "rapidfuzz").ratio(line, ground_truth)) / 100
+    )  # fuzzywuzzy returns an integer percentage
 
 
 DATASET_METRIC: dict[str, Metric] = {

@@ -4,14 +4,20 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
 
 
 @torch.no_grad()
-def mean_loss(model: nn.Module, batches: Iterable[Tensor], *, device: torch.device, autocast: contextlib.AbstractContextManager | None = None) -> tuple[float, int]:
+def mean_loss(
+    model: nn.Module,
+    batches: Iterable[Tensor],
+    *,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager | None = None,
+) -> tuple[float, int]:
     """Mean next-token cross-entropy (nats) over every target of ``batches`` ([B, T+1] each), and the token count."""
     was_training = model.training
     model.eval()
@@ -76,6 +82,14 @@ def text_perplexity(model: nn.Module, texts, tokenizer, *, length: int, stride: 
     if tokens == 0:
         raise ValueError("no document of two or more tokens to evaluate")
     loss = total / tokens
-    return {"loss": loss, "perplexity": perplexity(loss), "bits_per_byte": total / n_bytes / math.log(2),
-            "byte_perplexity": math.exp(min(total / n_bytes, 700.0)), "tokens": tokens, "bytes": n_bytes, "documents": docs,
-            "length": length, "stride": stride}
+    return {
+        "loss": loss,
+        "perplexity": perplexity(loss),
+        "bits_per_byte": total / n_bytes / math.log(2),
+        "byte_perplexity": math.exp(min(total / n_bytes, 700.0)),
+        "tokens": tokens,
+        "bytes": n_bytes,
+        "documents": docs,
+        "length": length,
+        "stride": stride,
+    }

@@ -129,7 +129,9 @@ def plot_group_sizes(metrics_jsonl: str | Path, path: str | Path, title: str = "
     rows = _read_metrics(metrics_jsonl)
     keys = sorted({k for row in rows for k, v in row.items() if k.startswith(FOCUS_PREFIX) and _is_number(v)})
     if not keys:
-        raise ConfigError(f"metrics_jsonl: {metrics_jsonl} has no {FOCUS_PREFIX}* metrics (only runs with Focus attention log them)")
+        raise ConfigError(
+            f"metrics_jsonl: {metrics_jsonl} has no {FOCUS_PREFIX}* metrics (only runs with Focus attention log them)"
+        )
     if FOCUS_FIRST in keys:
         keys.remove(FOCUS_FIRST)
         keys.insert(0, FOCUS_FIRST)

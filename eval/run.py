@@ -82,7 +82,9 @@ def task_ppl(model, corpus, *, limit: int, device) -> dict:
     return {"loss": loss, "perplexity": perplexity(loss), "tokens": tokens, "sequences": n}
 
 
-def task_ppl_length(model, corpus, *, train_length: int, multiples: list[float], max_tokens: int, device, plot: Path) -> dict:
+def task_ppl_length(
+    model, corpus, *, train_length: int, multiples: list[float], max_tokens: int, device, plot: Path
+) -> dict:
     from eval.length import loss_by_length
     from eval.plots import plot_loss_by_length
 
@@ -105,13 +107,17 @@ def task_attention_stats(model, corpus, tokenizer, *, text_path: str | None, bat
         from data.sources import iter_local
 
         ids = [i for doc in iter_local(text_path) for i in [*tokenizer.encode(doc.text), tokenizer.eos_id]]
-        windows = [torch.tensor(ids[a : a + length]) for a in range(0, max(1, len(ids) - length + 1), length)][:batch_size]
+        windows = [torch.tensor(ids[a : a + length]) for a in range(0, max(1, len(ids) - length + 1), length)][
+            :batch_size
+        ]
         if not windows or len(windows[0]) < 2:
             raise ConfigError(f"--stats-text: {text_path} holds fewer than 2 tokens")
         batches = [torch.stack(windows)]  # full-length windows, or one shorter window when the text is short
     else:
         if corpus.val is None:
-            raise ConfigError("--stats-text: the run has no validation split (a stream without data.val_path); give a text file")
+            raise ConfigError(
+                "--stats-text: the run has no validation split (a stream without data.val_path); give a text file"
+            )
         batches = [torch.stack([corpus.val[i][:-1] for i in range(min(batch_size, len(corpus.val)))])]
     stats = layer_statistics(model, batches, device=device)
     out = {**stats["mean"], "layers": stats["layers"], "sequences": sum(int(b.shape[0]) for b in batches)}
@@ -124,8 +130,19 @@ def task_attention_stats(model, corpus, tokenizer, *, text_path: str | None, bat
 def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device) -> dict:
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     gen = torch.Generator(device=device).manual_seed(seed)
-    out = model.generate(torch.tensor([ids], device=device), max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tokenizer.eos_id)
-    return {"prompt": prompt, "text": tokenizer.decode(out[0, len(ids) :].tolist()), "tokens": int(out.shape[1] - len(ids))}
+    out = model.generate(
+        torch.tensor([ids], device=device),
+        max_new_tokens,
+        temperature=0.8,
+        top_k=50,
+        generator=gen,
+        eos_id=tokenizer.eos_id,
+    )
+    return {
+        "prompt": prompt,
+        "text": tokenizer.decode(out[0, len(ids) :].tolist()),
+        "tokens": int(out.shape[1] - len(ids)),
+    }
 
 
 def _tokenizer_file(directory: Path) -> Path:
@@ -139,7 +156,9 @@ def _numbers(raw: str, option: str, kind=float) -> list:
     try:
         return [kind(m) for m in raw.split(",") if m.strip()]
     except ValueError:
-        raise ConfigError(f"{option}: {raw!r} is not a comma-separated list of {'integers' if kind is int else 'numbers'}") from None
+        raise ConfigError(
+            f"{option}: {raw!r} is not a comma-separated list of {'integers' if kind is int else 'numbers'}"
+        ) from None
 
 
 def _is_builtin(task: str) -> bool:
@@ -155,7 +174,9 @@ def parse_tasks(raw: str) -> tuple[list[str], list[str]]:
     if unknown or not tasks:
         extra = "" if harness else " (lm-eval tasks such as hellaswag need pip install -e '.[eval]')"
         allowed = ", ".join(sorted({*TASKS, *harness}))
-        raise ConfigError(f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, longbench:<file.jsonl>{extra}")
+        raise ConfigError(
+            f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, longbench:<file.jsonl>{extra}"
+        )
     return tasks, others
 
 
@@ -168,7 +189,9 @@ def lm_eval_tasks() -> tuple[str, ...]:
 
 
 def _build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m eval.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m eval.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--run", help="run directory (uses its latest complete checkpoint)")
     src.add_argument("--checkpoint", help="checkpoint directory (checkpoints/step_NNNNNNNN)")
@@ -180,25 +203,61 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lengths", default="1,2,4,8", help="ppl_length: multiples of the training length")
     p.add_argument("--max-tokens", type=int, default=16384, help="ppl_length: held-out tokens scored at every length")
-    p.add_argument("--context-lengths", default="", help="needle / kv_retrieval / rag: prompt lengths in tokens (default: 1/4, 1/2 and all of the context)")
-    p.add_argument("--depths", default="0,0.5,1", help="needle / kv_retrieval / rag: depth fractions of the needle / gold item")
+    p.add_argument(
+        "--context-lengths",
+        default="",
+        help="needle / kv_retrieval / rag: prompt lengths in tokens (default: 1/4, 1/2 and all of the context)",
+    )
+    p.add_argument(
+        "--depths", default="0,0.5,1", help="needle / kv_retrieval / rag: depth fractions of the needle / gold item"
+    )
     p.add_argument("--samples", type=int, default=1, help="needle / kv_retrieval / rag: samples per length x depth")
     p.add_argument("--needle-kind", default="single", help="needle: single, multikey, multivalue or multiquery")
     p.add_argument("--haystack", default="noise", help="needle: noise (no data) or essay (--haystack-dir)")
     p.add_argument("--haystack-dir", default=None, help="needle: folder of .txt essays (e.g. Paul Graham's)")
-    p.add_argument("--kv-file", default=None, help="kv_retrieval: lost-in-the-middle kv-retrieval jsonl(.gz); default: generated pairs")
+    p.add_argument(
+        "--kv-file",
+        default=None,
+        help="kv_retrieval: lost-in-the-middle kv-retrieval jsonl(.gz); default: generated pairs",
+    )
     p.add_argument("--rag-file", default=None, help="rag: NQ-open oracle jsonl(.gz) (question, answers, ctxs)")
-    p.add_argument("--data-dir", default=None, help="lm-eval tasks: folder with the task data (the layout of ../shared/data); default $FOCUSED_PRETRAIN_EVAL_DATA")
+    p.add_argument(
+        "--data-dir",
+        default=None,
+        help="lm-eval tasks: folder with the task data (the layout of ../shared/data); default $FOCUSED_PRETRAIN_EVAL_DATA",
+    )
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval tasks: requests per forward")
-    p.add_argument("--max-context", type=int, default=0, help="generation: prompt + new tokens budget (default model.max_seq_len)")
-    p.add_argument("--ppl-data", default=None, help="ppl: a text file, folder or glob (.txt / .jsonl / .parquet) instead of the validation split")
-    p.add_argument("--ppl-length", type=int, default=0, help="ppl on --ppl-data: window length in tokens (default data.seq_len)")
-    p.add_argument("--ppl-stride", type=int, default=0, help="ppl on --ppl-data: window stride (default the length: non-overlapping)")
-    p.add_argument("--stats-text", default=None, help="attention_stats: a text file / folder to measure on (default the first validation batch)")
+    p.add_argument(
+        "--max-context", type=int, default=0, help="generation: prompt + new tokens budget (default model.max_seq_len)"
+    )
+    p.add_argument(
+        "--ppl-data",
+        default=None,
+        help="ppl: a text file, folder or glob (.txt / .jsonl / .parquet) instead of the validation split",
+    )
+    p.add_argument(
+        "--ppl-length", type=int, default=0, help="ppl on --ppl-data: window length in tokens (default data.seq_len)"
+    )
+    p.add_argument(
+        "--ppl-stride",
+        type=int,
+        default=0,
+        help="ppl on --ppl-data: window stride (default the length: non-overlapping)",
+    )
+    p.add_argument(
+        "--stats-text",
+        default=None,
+        help="attention_stats: a text file / folder to measure on (default the first validation batch)",
+    )
     p.add_argument("--device", default="auto")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override the checkpoint's model config, e.g. --set model.attention.focus.mode=hard")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the checkpoint's model config, e.g. --set model.attention.focus.mode=hard",
+    )
     return p
 
 
@@ -208,14 +267,20 @@ def _synthetic(task: str, gen, args, lengths, depths, out: Path) -> dict:
 
     common = dict(lengths=lengths, depths=depths, samples=args.samples, seed=args.seed, progress=not args.no_progress)
     if task == "needle":
-        result = synthetic.run_needle(gen, kind=args.needle_kind, haystack=args.haystack, haystack_dir=args.haystack_dir, **common)
+        result = synthetic.run_needle(
+            gen, kind=args.needle_kind, haystack=args.haystack, haystack_dir=args.haystack_dir, **common
+        )
     elif task == "kv_retrieval":
         result = synthetic.run_kv_retrieval(gen, data_file=args.kv_file, **common)
     else:
         if not args.rag_file:
-            raise ConfigError("--rag-file: required by the rag task (an NQ-open oracle jsonl(.gz) with question, answers and ctxs)")
+            raise ConfigError(
+                "--rag-file: required by the rag task (an NQ-open oracle jsonl(.gz) with question, answers and ctxs)"
+            )
         result = synthetic.run_rag(gen, data_file=args.rag_file, **common)
-    result["plot"] = str(plot_needle_heatmap(result["grid"], out.with_suffix(f".{task}.png"), title=f"{task}: score by depth and length"))
+    result["plot"] = str(
+        plot_needle_heatmap(result["grid"], out.with_suffix(f".{task}.png"), title=f"{task}: score by depth and length")
+    )
     print(f"{task}: score {result['score']:.1f} over {result['n']} prompts")
     return result
 
@@ -245,35 +310,77 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     gen = TextGenerator(model, tokenizer, device=device, max_context=args.max_context or None)
     try:
-        needs_corpus = {"ppl_length"} | ({"ppl"} if not args.ppl_data else set()) | ({"attention_stats"} if not args.stats_text else set())
+        needs_corpus = (
+            {"ppl_length"}
+            | ({"ppl"} if not args.ppl_data else set())
+            | ({"attention_stats"} if not args.stats_text else set())
+        )
         corpus = held_out(cfg, path) if needs_corpus & set(tasks) else None
         for task in tasks:
             if task == "ppl_length":
-                results[task] = task_ppl_length(model, corpus, train_length=cfg.data.seq_len, multiples=multiples, max_tokens=args.max_tokens, device=device, plot=out.with_suffix(".ppl_length.png"))
+                results[task] = task_ppl_length(
+                    model,
+                    corpus,
+                    train_length=cfg.data.seq_len,
+                    multiples=multiples,
+                    max_tokens=args.max_tokens,
+                    device=device,
+                    plot=out.with_suffix(".ppl_length.png"),
+                )
                 for length, r in results[task].items():
                     if isinstance(r, dict) and "perplexity" in r:
-                        print(f"ppl_length: {length:>6} tokens | loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f}")
+                        print(
+                            f"ppl_length: {length:>6} tokens | loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f}"
+                        )
             elif task == "attention_stats":
-                results[task] = task_attention_stats(model, corpus, tokenizer, text_path=args.stats_text, batch_size=8, device=device)
-                print("attention_stats: " + ", ".join(f"{k} {v:.4f}" for k, v in results[task].items() if isinstance(v, float)))
+                results[task] = task_attention_stats(
+                    model, corpus, tokenizer, text_path=args.stats_text, batch_size=8, device=device
+                )
+                print(
+                    "attention_stats: "
+                    + ", ".join(f"{k} {v:.4f}" for k, v in results[task].items() if isinstance(v, float))
+                )
             elif task == "ppl" and args.ppl_data:
                 length = args.ppl_length or cfg.data.seq_len
-                results["ppl"] = r = task_ppl_text(model, tokenizer, path=args.ppl_data, length=length, stride=args.ppl_stride or length, limit=args.limit, device=device)
-                print(f"ppl: {args.ppl_data} loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte {r['bits_per_byte']:.4f} over {r['tokens']:,} tokens")
+                results["ppl"] = r = task_ppl_text(
+                    model,
+                    tokenizer,
+                    path=args.ppl_data,
+                    length=length,
+                    stride=args.ppl_stride or length,
+                    limit=args.limit,
+                    device=device,
+                )
+                print(
+                    f"ppl: {args.ppl_data} loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte {r['bits_per_byte']:.4f} over {r['tokens']:,} tokens"
+                )
             elif task == "ppl":
                 if corpus.val is None:
-                    raise ConfigError("--ppl-data: the run has no validation split (a stream without data.val_path); give text to score")
+                    raise ConfigError(
+                        "--ppl-data: the run has no validation split (a stream without data.val_path); give text to score"
+                    )
                 results["ppl"] = task_ppl(model, corpus, limit=args.limit, device=device)
-                print(f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens")
+                print(
+                    f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens"
+                )
             elif task == "sample":
-                results["sample"] = task_sample(model, tokenizer, prompt=args.prompt, max_new_tokens=args.max_new_tokens, seed=args.seed, device=device)
+                results["sample"] = task_sample(
+                    model,
+                    tokenizer,
+                    prompt=args.prompt,
+                    max_new_tokens=args.max_new_tokens,
+                    seed=args.seed,
+                    device=device,
+                )
                 print(f"sample:\n{args.prompt}{results['sample']['text']}")
             elif task in ("needle", "kv_retrieval", "rag"):
                 results[task] = _synthetic(task, gen, args, context_lengths, depths, out)
             elif task.startswith(LONGBENCH_PREFIX):
                 from eval.longbench import run_longbench
 
-                results[task] = run_longbench(task[len(LONGBENCH_PREFIX):], gen, limit=args.limit, progress=not args.no_progress)
+                results[task] = run_longbench(
+                    task[len(LONGBENCH_PREFIX) :], gen, limit=args.limit, progress=not args.no_progress
+                )
                 print(f"{task}: average {results[task]['average']['score']:.2f}")
         if harness_tasks:
             from eval.harness import FocusedLM, evaluate

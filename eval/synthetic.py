@@ -108,19 +108,128 @@ RAG_DEMO = "{documents}\n\nQuestion: {question}\nAnswer: {answer}"
 
 # Stand-ins for RULER's wonderwords adjective-noun keys (that list is not shipped offline).
 _ADJECTIVES = (
-    "ancient", "bitter", "brave", "bright", "broad", "calm", "clever", "cold", "curious", "damp", "dark", "eager",
-    "early", "empty", "fancy", "fierce", "gentle", "giant", "golden", "grumpy", "hidden", "hollow", "humble", "icy",
-    "jolly", "kind", "lazy", "little", "lively", "loud", "lucky", "mellow", "misty", "narrow", "noisy", "odd",
-    "pale", "plain", "proud", "quick", "quiet", "rapid", "rough", "rusty", "shiny", "silent", "silly", "sleepy",
-    "smooth", "spicy", "steep", "sticky", "swift", "tame", "tiny", "vast", "wicked", "wild", "witty", "young",
+    "ancient",
+    "bitter",
+    "brave",
+    "bright",
+    "broad",
+    "calm",
+    "clever",
+    "cold",
+    "curious",
+    "damp",
+    "dark",
+    "eager",
+    "early",
+    "empty",
+    "fancy",
+    "fierce",
+    "gentle",
+    "giant",
+    "golden",
+    "grumpy",
+    "hidden",
+    "hollow",
+    "humble",
+    "icy",
+    "jolly",
+    "kind",
+    "lazy",
+    "little",
+    "lively",
+    "loud",
+    "lucky",
+    "mellow",
+    "misty",
+    "narrow",
+    "noisy",
+    "odd",
+    "pale",
+    "plain",
+    "proud",
+    "quick",
+    "quiet",
+    "rapid",
+    "rough",
+    "rusty",
+    "shiny",
+    "silent",
+    "silly",
+    "sleepy",
+    "smooth",
+    "spicy",
+    "steep",
+    "sticky",
+    "swift",
+    "tame",
+    "tiny",
+    "vast",
+    "wicked",
+    "wild",
+    "witty",
+    "young",
 )
 _NOUNS = (
-    "anchor", "apple", "badger", "basket", "beacon", "blanket", "bottle", "bridge", "candle", "canyon", "castle",
-    "cherry", "cloud", "comet", "copper", "cottage", "crayon", "desert", "dragon", "engine", "falcon", "feather",
-    "forest", "garden", "glacier", "hammer", "harbor", "helmet", "island", "jacket", "kettle", "ladder", "lantern",
-    "lemon", "marble", "meadow", "mirror", "needle", "orchard", "otter", "pepper", "pillow", "planet", "pocket",
-    "puzzle", "quarry", "rabbit", "ribbon", "saddle", "shadow", "spider", "statue", "teapot", "thunder", "tunnel",
-    "valley", "velvet", "violin", "wagon", "walrus",
+    "anchor",
+    "apple",
+    "badger",
+    "basket",
+    "beacon",
+    "blanket",
+    "bottle",
+    "bridge",
+    "candle",
+    "canyon",
+    "castle",
+    "cherry",
+    "cloud",
+    "comet",
+    "copper",
+    "cottage",
+    "crayon",
+    "desert",
+    "dragon",
+    "engine",
+    "falcon",
+    "feather",
+    "forest",
+    "garden",
+    "glacier",
+    "hammer",
+    "harbor",
+    "helmet",
+    "island",
+    "jacket",
+    "kettle",
+    "ladder",
+    "lantern",
+    "lemon",
+    "marble",
+    "meadow",
+    "mirror",
+    "needle",
+    "orchard",
+    "otter",
+    "pepper",
+    "pillow",
+    "planet",
+    "pocket",
+    "puzzle",
+    "quarry",
+    "rabbit",
+    "ribbon",
+    "saddle",
+    "shadow",
+    "spider",
+    "statue",
+    "teapot",
+    "thunder",
+    "tunnel",
+    "valley",
+    "velvet",
+    "violin",
+    "wagon",
+    "walrus",
 )
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -174,10 +283,14 @@ def _check_common(samples: int, max_new_tokens: int, shots: int = 0) -> None:
 
 
 def _too_short(length: int, what: str, tokens: int, new: int) -> ConfigError:
-    return ConfigError(f"--context-lengths: {length} is too short for {what}: its prompt needs {tokens} tokens without filler, plus {new} new tokens")
+    return ConfigError(
+        f"--context-lengths: {length} is too short for {what}: its prompt needs {tokens} tokens without filler, plus {new} new tokens"
+    )
 
 
-def _fit(build: Callable[[int], str], encode: Encode, budget: int, *, limit: int | None, what: str, length: int, new: int) -> tuple[str, int, int]:
+def _fit(
+    build: Callable[[int], str], encode: Encode, budget: int, *, limit: int | None, what: str, length: int, new: int
+) -> tuple[str, int, int]:
     """(prompt, tokens, n) for the largest filler count n (<= limit) whose prompt fits ``budget`` tokens.
 
     Token counts are nearly, not exactly, monotone in n, so only prompts measured to fit are returned.
@@ -228,7 +341,9 @@ def _fit(build: Callable[[int], str], encode: Encode, budget: int, *, limit: int
     return (*measured[lo], lo)
 
 
-def _shrink(build: Callable[[int], str], encode: Encode, budget: int, n: int, *, what: str, length: int, new: int) -> tuple[str, int, int]:
+def _shrink(
+    build: Callable[[int], str], encode: Encode, budget: int, n: int, *, what: str, length: int, new: int
+) -> tuple[str, int, int]:
     """The prompt with ``n`` filler units, or fewer until it fits (another depth may tokenize a token longer)."""
     while True:
         text = build(n)
@@ -284,7 +399,9 @@ def _read_jsonl(data_file: str | Path, required: tuple[str, ...], what: str) -> 
                     raise ConfigError(f"--data-file: {path} line {number} is not {what} (needs {', '.join(required)})")
                 rows.append(row)
     except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"--data-file: {path} is not readable {what} JSON lines ({str(exc).splitlines()[0][:100]})") from None
+        raise ConfigError(
+            f"--data-file: {path} is not readable {what} JSON lines ({str(exc).splitlines()[0][:100]})"
+        ) from None
     if not rows:
         raise ConfigError(f"--data-file: {path} holds no {what} rows")
     return rows
@@ -331,7 +448,9 @@ class _Needles:
 
     @property
     def sentences(self) -> list[str]:
-        return [NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, vs in zip(self.keys, self.values) for v in vs]
+        return [
+            NEEDLE.format(type_needle_v="numbers", key=k, value=v) for k, vs in zip(self.keys, self.values) for v in vs
+        ]
 
     @property
     def answers(self) -> tuple[str, ...]:
@@ -412,9 +531,13 @@ def needle_samples(
         for nd in needles:
             fill = None
             for depth in depths:
-                build = lambda n, nd=nd, depth=depth: _needle_prompt(nd, _haystack(haystack, words, n, nd.placed(depth)))
+                build = lambda n, nd=nd, depth=depth: _needle_prompt(
+                    nd, _haystack(haystack, words, n, nd.placed(depth))
+                )
                 if fill is None:
-                    text, tokens, fill = _fit(build, encode, budget, limit=None, what=what, length=length, new=max_new_tokens)
+                    text, tokens, fill = _fit(
+                        build, encode, budget, limit=None, what=what, length=length, new=max_new_tokens
+                    )
                 else:
                     text, tokens, _ = _shrink(build, encode, budget, fill, what=what, length=length, new=max_new_tokens)
                 out.append(Sample(task, length, depth, text, nd.answers, "string_match_all", tokens))
@@ -429,7 +552,10 @@ def _kv_file(data_file: str) -> tuple[tuple[tuple[str, str], tuple[tuple[str, st
     """((gold key, value), all records) per lost-in-the-middle kv-retrieval row."""
     rows = _read_jsonl(data_file, ("ordered_kv_records", "key", "value"), "a lost-in-the-middle kv-retrieval")
     try:
-        return tuple(((str(r["key"]), str(r["value"])), tuple((str(k), str(v)) for k, v in r["ordered_kv_records"])) for r in rows)
+        return tuple(
+            ((str(r["key"]), str(r["value"])), tuple((str(k), str(v)) for k, v in r["ordered_kv_records"]))
+            for r in rows
+        )
     except (TypeError, ValueError):
         raise ConfigError(f"--data-file: {data_file} has ordered_kv_records that are not [key, value] pairs") from None
 
@@ -458,7 +584,9 @@ def _kv_prompt(gold: tuple[str, str], distractors: list[tuple[str, str]], depth:
     rows.insert(round(depth * m), gold)
     # lost-in-the-middle's layout: one record per line, valid JSON.
     context = "JSON data:\n{" + ",\n ".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in rows) + "}"
-    demo_text = "\n\n".join(KV_DEMO.format(key=json.dumps(k), value=" " + v) for k, v in demos) + ("\n\n" if shots else "")
+    demo_text = "\n\n".join(KV_DEMO.format(key=json.dumps(k), value=" " + v) for k, v in demos) + (
+        "\n\n" if shots else ""
+    )
     return KV_TEMPLATE.format(context=context, demos=demo_text, question=json.dumps(gold[0]))
 
 
@@ -498,9 +626,13 @@ def kv_samples(
         for gold, pool, limit in zip(golds, pools, limits):
             fill = None
             for depth in depths:
-                build = lambda n, gold=gold, pool=pool, depth=depth: _kv_prompt(gold, pool.take(n + shots), depth, shots)
+                build = lambda n, gold=gold, pool=pool, depth=depth: _kv_prompt(
+                    gold, pool.take(n + shots), depth, shots
+                )
                 if fill is None:
-                    text, tokens, fill = _fit(build, encode, budget, limit=limit, what=task, length=length, new=max_new_tokens)
+                    text, tokens, fill = _fit(
+                        build, encode, budget, limit=limit, what=task, length=length, new=max_new_tokens
+                    )
                     _check_filled(fill, limit, tokens, budget, data_file, "key-value pairs", length)
                 else:
                     text, tokens, _ = _shrink(build, encode, budget, fill, what=task, length=length, new=max_new_tokens)
@@ -511,7 +643,9 @@ def kv_samples(
 def _check_filled(n: int, limit: int | None, tokens: int, budget: int, data_file, unit: str, length: int) -> None:
     # A data file can run out of filler; a much shorter prompt than asked for would mislabel the grid.
     if limit is not None and n >= limit and tokens < 0.9 * budget:
-        raise ConfigError(f"--context-lengths: {length} needs more {unit} than {data_file} holds (the prompt reached {tokens} tokens)")
+        raise ConfigError(
+            f"--context-lengths: {length} needs more {unit} than {data_file} holds (the prompt reached {tokens} tokens)"
+        )
 
 
 # ------------------------------------------------------------------ HELMET RAG (NQ-open oracle passages)
@@ -541,7 +675,16 @@ def _nq_file(data_file: str) -> tuple[_QA, ...]:
         if gold is None or not answers or len(answers) != len(r["answers"]):
             continue
         text = str(gold["text"])
-        out.append(_QA(str(r["question"]), answers, str(gold.get("title", "")), text, normalize_answer(text), tuple(text.split())))
+        out.append(
+            _QA(
+                str(r["question"]),
+                answers,
+                str(gold.get("title", "")),
+                text,
+                normalize_answer(text),
+                tuple(text.split()),
+            )
+        )
     if not out:
         raise ConfigError(f"--data-file: {data_file} holds no usable NQ-open oracle rows")
     return tuple(out)
@@ -551,7 +694,9 @@ def _passage(qa: _QA, words: Sequence[str] | None = None) -> str:
     return RAG_PASSAGE.format(title=qa.title, text=qa.text if words is None else " ".join(words))
 
 
-def _rag_prompt(qa: _QA, demos: Sequence[_QA], pool: Sequence[_QA], ends: Sequence[int], n_words: int, depth: float) -> str:
+def _rag_prompt(
+    qa: _QA, demos: Sequence[_QA], pool: Sequence[_QA], ends: Sequence[int], n_words: int, depth: float
+) -> str:
     """Distractors holding the first ``n_words`` words of ``pool`` (the last one cut short to fill the
     length exactly), the gold passage at ``depth``."""
     passages = []
@@ -561,7 +706,9 @@ def _rag_prompt(qa: _QA, demos: Sequence[_QA], pool: Sequence[_QA], ends: Sequen
             break
         passages.append(_passage(p) if end <= n_words else _passage(p, p.words[: n_words - start]))
     docs = _insert(passages, [(depth, _passage(qa))])
-    demo_text = "".join(RAG_DEMO.format(documents=_passage(d), question=d.question, answer=d.answers[0]) + "\n\n" for d in demos)
+    demo_text = "".join(
+        RAG_DEMO.format(documents=_passage(d), question=d.question, answer=d.answers[0]) + "\n\n" for d in demos
+    )
     return RAG_TEMPLATE.format(demos=demo_text, context="\n\n".join(docs), question=qa.question)
 
 
@@ -576,14 +723,20 @@ def rag_samples(
     rows = _nq_file(str(data_file))
     task = "rag_nq"
     if len(rows) < shots + 2:
-        raise ConfigError(f"--data-file: {data_file} holds {len(rows)} usable rows, too few for {shots} shots and distractors")
+        raise ConfigError(
+            f"--data-file: {data_file} holds {len(rows)} usable rows, too few for {shots} shots and distractors"
+        )
     setups = []
     for i, index in enumerate(_pick(len(rows), samples, f"{seed}:{task}", data_file)):
         qa, rng = rows[index], random.Random(f"{seed}:{task}:{i}")
         others = [j for j in range(len(rows)) if j != index]
         demo_ids = rng.sample(others, shots)
         answers = [normalize_answer(a) for a in qa.answers]
-        pool = [rows[j] for j in others if j not in demo_ids and rows[j].text != qa.text and not any(a in rows[j].norm for a in answers)]
+        pool = [
+            rows[j]
+            for j in others
+            if j not in demo_ids and rows[j].text != qa.text and not any(a in rows[j].norm for a in answers)
+        ]
         rng.shuffle(pool)
         setups.append((qa, [rows[j] for j in demo_ids], pool, list(itertools.accumulate(len(p.words) for p in pool))))
     out: list[Sample] = []
@@ -593,12 +746,30 @@ def rag_samples(
             limit = ends[-1] if ends else 0
             fill = None
             for depth in depths:
-                build = lambda n, qa=qa, demos=demos, pool=pool, ends=ends, depth=depth: _rag_prompt(qa, demos, pool, ends, n, depth)
+                build = lambda n, qa=qa, demos=demos, pool=pool, ends=ends, depth=depth: _rag_prompt(
+                    qa, demos, pool, ends, n, depth
+                )
                 if fill is None:
-                    text, tokens, fill = _fit(build, encode, budget, limit=limit, what=f"{task} with {shots} shots", length=length, new=max_new_tokens)
+                    text, tokens, fill = _fit(
+                        build,
+                        encode,
+                        budget,
+                        limit=limit,
+                        what=f"{task} with {shots} shots",
+                        length=length,
+                        new=max_new_tokens,
+                    )
                     _check_filled(fill, limit, tokens, budget, data_file, "distractor passages", length)
                 else:
-                    text, tokens, _ = _shrink(build, encode, budget, fill, what=f"{task} with {shots} shots", length=length, new=max_new_tokens)
+                    text, tokens, _ = _shrink(
+                        build,
+                        encode,
+                        budget,
+                        fill,
+                        what=f"{task} with {shots} shots",
+                        length=length,
+                        new=max_new_tokens,
+                    )
                 out.append(Sample(task, length, depth, text, qa.answers, "substring_exact_match", tokens))
     return sorted(out, key=lambda s: (s.length, s.depth))
 
@@ -606,7 +777,14 @@ def rag_samples(
 # ------------------------------------------------------------------ runners
 
 
-def evaluate_samples(generator: Generator, items: Sequence[Sample], *, max_new_tokens: int, stop: Sequence[str] = (), progress: bool = True) -> dict:
+def evaluate_samples(
+    generator: Generator,
+    items: Sequence[Sample],
+    *,
+    max_new_tokens: int,
+    stop: Sequence[str] = (),
+    progress: bool = True,
+) -> dict:
     """{"score": 0..100 over all samples, "grid": {str(length): {str(depth): 0..100}}, "n": samples}."""
     grid: dict[str, dict[str, float]] = {}
     scores: list[float] = []
@@ -615,7 +793,11 @@ def evaluate_samples(generator: Generator, items: Sequence[Sample], *, max_new_t
         grid.setdefault(str(length), {})[str(depth)] = 100.0 * sum(cell) / len(cell)
         scores.extend(cell)
         if progress:
-            print(f"[{items[0].task}] length {length} depth {depth:g}: {grid[str(length)][str(depth)]:.1f} ({len(cell)} samples)", file=sys.stderr, flush=True)
+            print(
+                f"[{items[0].task}] length {length} depth {depth:g}: {grid[str(length)][str(depth)]:.1f} ({len(cell)} samples)",
+                file=sys.stderr,
+                flush=True,
+            )
     return {"score": 100.0 * sum(scores) / len(scores) if scores else 0.0, "grid": grid, "n": len(scores)}
 
 

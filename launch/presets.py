@@ -68,13 +68,32 @@ def config_for(preset: str, variant: str) -> dict:
     return {
         "run": {"dir": f"runs/{preset}_{variant}"},
         "model": model,
-        "data": {"source": "fineweb-edu", "name": "sample-10BT", "seq_len": seq_len, "tokenizer": "train",
-                 "tokenizer_sample_docs": 100_000, "shuffle_window": 10_000, "num_workers": 4},
+        "data": {
+            "source": "fineweb-edu",
+            "name": "sample-10BT",
+            "seq_len": seq_len,
+            "tokenizer": "train",
+            "tokenizer_sample_docs": 100_000,
+            "shuffle_window": 10_000,
+            "num_workers": 4,
+        },
         "train": {
-            "engine": "fsdp2", "precision": "bf16", "compile": True, "activation_checkpointing": size.activation_checkpointing,
-            "fsdp_replicate": size.fsdp_replicate, "max_steps": size.max_steps, "batch_size": GLOBAL_TOKENS // seq_len,
-            "micro_batch_size": size.micro_batch_size, "lr": size.lr, "schedule": "cosine", "warmup_steps": max(500, size.max_steps // 50),
-            "min_lr_ratio": 0.1, "weight_decay": 0.1, "grad_clip": 1.0, "seed": 0, "log_every": 10,
+            "engine": "fsdp2",
+            "precision": "bf16",
+            "compile": True,
+            "activation_checkpointing": size.activation_checkpointing,
+            "fsdp_replicate": size.fsdp_replicate,
+            "max_steps": size.max_steps,
+            "batch_size": GLOBAL_TOKENS // seq_len,
+            "micro_batch_size": size.micro_batch_size,
+            "lr": size.lr,
+            "schedule": "cosine",
+            "warmup_steps": max(500, size.max_steps // 50),
+            "min_lr_ratio": 0.1,
+            "weight_decay": 0.1,
+            "grad_clip": 1.0,
+            "seed": 0,
+            "log_every": 10,
         },
         "checkpoint": {"every": 1000, "keep": 3},
         "eval": {"every": 1000, "batches": 20, "sample_tokens": 64},
@@ -100,7 +119,9 @@ def files() -> dict[Path, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m launch.presets", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m launch.presets", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--check", action="store_true", help="compare instead of writing; exit 1 on any difference")
     args = p.parse_args(argv)
     stale = [path for path, text in files().items() if not path.is_file() or path.read_text() != text]

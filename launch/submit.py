@@ -29,19 +29,38 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m launch.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(
+        prog="python -m launch.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="TOML run config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable")
+    p.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable"
+    )
     p.add_argument("--nodes", type=int, required=True)
-    p.add_argument("--gpus-per-node", type=int, required=True, help="GPUs per node; 0 runs on CPUs (see --procs-per-node)")
-    p.add_argument("--procs-per-node", type=int, default=0, help="worker processes per node (default: --gpus-per-node, or 1 on CPUs)")
+    p.add_argument(
+        "--gpus-per-node", type=int, required=True, help="GPUs per node; 0 runs on CPUs (see --procs-per-node)"
+    )
+    p.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=0,
+        help="worker processes per node (default: --gpus-per-node, or 1 on CPUs)",
+    )
     p.add_argument("--cpus-per-node", type=int, default=0, help="CPUs to request per node (0: the site's default)")
     p.add_argument("--partition", default="")
     p.add_argument("--account", default="")
     p.add_argument("--qos", default="")
     p.add_argument("--time", default="", help="time limit, e.g. 24:00:00")
-    p.add_argument("--signal-seconds", type=int, default=120, help="SIGUSR1 this long before the time limit (checkpoint, requeue)")
-    p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG", help="extra #SBATCH line, repeatable: --sbatch-arg=--exclusive")
+    p.add_argument(
+        "--signal-seconds", type=int, default=120, help="SIGUSR1 this long before the time limit (checkpoint, requeue)"
+    )
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra #SBATCH line, repeatable: --sbatch-arg=--exclusive",
+    )
     p.add_argument("--python", default=sys.executable, help="the interpreter the job runs (default: this one)")
     p.add_argument("--dry-run", action="store_true", help="print the rendered script, submit nothing")
     return p.parse_args(argv)
@@ -56,15 +75,21 @@ def _check(args: argparse.Namespace, cfg) -> int:
     if args.procs_per_node < 0:
         raise ConfigError(f"--procs-per-node: must be >= 0, got {args.procs_per_node}")
     if args.gpus_per_node and args.procs_per_node and args.procs_per_node != args.gpus_per_node:
-        raise ConfigError(f"--procs-per-node: {args.procs_per_node} differs from --gpus-per-node {args.gpus_per_node}; one process drives one GPU")
+        raise ConfigError(
+            f"--procs-per-node: {args.procs_per_node} differs from --gpus-per-node {args.gpus_per_node}; one process drives one GPU"
+        )
     if args.signal_seconds < 1:
         raise ConfigError(f"--signal-seconds: must be >= 1, got {args.signal_seconds}")
     procs = args.gpus_per_node or args.procs_per_node or 1
     world = args.nodes * procs
     if world > 1 and cfg.train.engine == "single":
-        raise ConfigError(f"train.engine: single runs one process, but {args.nodes} node(s) x {procs} make {world}; use ddp, fsdp2 or deepspeed")
+        raise ConfigError(
+            f"train.engine: single runs one process, but {args.nodes} node(s) x {procs} make {world}; use ddp, fsdp2 or deepspeed"
+        )
     if cfg.train.micro_batch_size and cfg.train.batch_size % (cfg.train.micro_batch_size * world):
-        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} processes")
+        raise ConfigError(
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} processes"
+        )
     if cfg.train.batch_size % world:
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by the {world} processes")
     return procs
@@ -103,7 +128,9 @@ def render(args: argparse.Namespace, cfg, procs: int) -> str:
     for line in TEMPLATE.read_text().splitlines():
         if line.startswith("#SBATCH"):
             if not placed:
-                out += [f'#SBATCH "{d}"' if " " in d else f"#SBATCH {d}" for d in directives]  # sbatch reads double quotes
+                out += [
+                    f'#SBATCH "{d}"' if " " in d else f"#SBATCH {d}" for d in directives
+                ]  # sbatch reads double quotes
                 placed = True
         elif line == MARKER:
             out += settings
@@ -133,10 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         proc = subprocess.run(["sbatch", "--parsable", str(path)], capture_output=True, text=True)
     except FileNotFoundError:
-        print(f"error: sbatch: not found on PATH (the script is at {path}; submit it on a SLURM login node)", file=sys.stderr)
+        print(
+            f"error: sbatch: not found on PATH (the script is at {path}; submit it on a SLURM login node)",
+            file=sys.stderr,
+        )
         return 2
     if proc.returncode:
-        print(f"error: sbatch failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}", file=sys.stderr)
+        print(
+            f"error: sbatch failed: {proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else proc.returncode}",
+            file=sys.stderr,
+        )
         return 1
     job = proc.stdout.strip().split(";")[0]
     print(f"submitted job {job}: {path}; output {run_dir / f'slurm-{job}.out'}")

@@ -18,11 +18,18 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 MODES = ("none", "selective", "full")
 
 _SAVED_OP_NAMES = (
-    "mm", "addmm", "bmm", "baddbmm",
-    "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu",
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
 )
-SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name))
+SAVED_OPS = frozenset(
+    getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)
+)
 
 
 def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
@@ -34,5 +41,11 @@ def checkpointed(block, mode: str, *args, **kwargs):
     if mode == "full":
         return checkpoint(block, *args, use_reentrant=False, **kwargs)
     if mode == "selective":
-        return checkpoint(block, *args, use_reentrant=False, context_fn=partial(create_selective_checkpoint_contexts, _selective_policy), **kwargs)
+        return checkpoint(
+            block,
+            *args,
+            use_reentrant=False,
+            context_fn=partial(create_selective_checkpoint_contexts, _selective_policy),
+            **kwargs,
+        )
     raise ValueError(f"activation checkpointing mode {mode!r}; allowed: {', '.join(MODES)}")

@@ -40,7 +40,9 @@ class RopeConfig:
         check_min("model.rope.original_max_seq_len", self.original_max_seq_len, 0)
         check_min("model.rope.attention_factor", self.attention_factor, 0)
         if self.high_freq_factor <= self.low_freq_factor:
-            raise ConfigError(f"model.rope.high_freq_factor: {self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}")
+            raise ConfigError(
+                f"model.rope.high_freq_factor: {self.high_freq_factor} must exceed low_freq_factor={self.low_freq_factor}"
+            )
 
 
 @dataclass
@@ -213,7 +215,9 @@ def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, f
     return {"flops_per_token": float(dense + attention), "attention_flops_per_token": float(attention)}
 
 
-def memory_estimate(cfg: ModelConfig, *, seq_len: int | None = None, micro_batch: int = 1, mixed_precision: bool = True) -> dict[str, float]:
+def memory_estimate(
+    cfg: ModelConfig, *, seq_len: int | None = None, micro_batch: int = 1, mixed_precision: bool = True
+) -> dict[str, float]:
     """Training memory estimate in GiB for one unsharded replica with AdamW.
 
     Weights fp32 (4 B), grads fp32 (4 B), Adam moments (8 B) per parameter; activations

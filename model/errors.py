@@ -23,7 +23,9 @@ def check_min(key: str, value: float, minimum: float, *, strict: bool = False, n
         raise ConfigError(f"{key}: must be {'>' if strict else '>='} {minimum}{note}, got {value}")
 
 
-def check_range(key: str, value: float, low: float, high: float, *, open_low: bool = False, open_high: bool = False) -> None:
+def check_range(
+    key: str, value: float, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> None:
     """``key`` must lie in the interval from ``low`` to ``high`` (closed unless said open)."""
     if value < low or value > high or (open_low and value == low) or (open_high and value == high):
         interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"

@@ -37,14 +37,35 @@ def model_info(preset: str, overrides: list[str], *, seq_len: int = 0, micro_bat
         "seq_len": seq_len,
         **flops,
         "memory": memory_estimate(cfg, seq_len=seq_len, micro_batch=micro_batch),
-        "config": {k: getattr(cfg, k) for k in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings")},
+        "config": {
+            k: getattr(cfg, k)
+            for k in (
+                "vocab_size",
+                "max_seq_len",
+                "d_model",
+                "n_layers",
+                "n_heads",
+                "n_kv_heads",
+                "ffn_dim",
+                "tie_embeddings",
+            )
+        },
     }
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m model.info", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m model.info", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--preset", default="", help="preset name (tiny, gpt2-124m, ..., llama-7b)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="model field override, e.g. --set n_layers=2")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="model field override, e.g. --set n_layers=2",
+    )
     p.add_argument("--seq-len", type=int, default=0, help="context length for FLOPs and memory (default: max_seq_len)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward for the memory estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -61,7 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"preset                  {info['preset'] or '(custom)'} ({info['family']}, attention={info['attention']})")
     print(f"parameters              {info['parameters']:,}")
     print(f"non-embedding params    {info['non_embedding_parameters']:,}")
-    print(f"train FLOPs / token     {info['flops_per_token']:.4g} (attention {info['attention_flops_per_token']:.3g} at seq_len {info['seq_len']})")
+    print(
+        f"train FLOPs / token     {info['flops_per_token']:.4g} (attention {info['attention_flops_per_token']:.3g} at seq_len {info['seq_len']})"
+    )
     print(
         f"train memory estimate   {mem['total_gib']:.2f} GiB (weights {mem['weights_gib']:.2f} + grads {mem['grads_gib']:.2f} + "
         f"AdamW {mem['optimizer_gib']:.2f} + activations {mem['activations_gib']:.2f} at micro-batch {mem['micro_batch']})"

@@ -35,11 +35,11 @@ def base_frequencies(head_dim: int, theta: float) -> Tensor:
     return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
 
 
-def resolved_factor(cfg: "RopeConfig") -> float:
+def resolved_factor(cfg: RopeConfig) -> float:
     return cfg.factor or (LLAMA3_DEFAULTS["factor"] if cfg.scaling == "llama3" else 1.0)
 
 
-def original_length(cfg: "RopeConfig", max_seq_len: int) -> int:
+def original_length(cfg: RopeConfig, max_seq_len: int) -> int:
     """The pretraining length L0 the scaling extends: set explicitly, else llama3's 8192, else
     max_seq_len / factor (the context was extended by ``factor``)."""
     if cfg.original_max_seq_len:
@@ -53,7 +53,9 @@ def yarn_attention_factor(factor: float) -> float:
     return 1.0 if factor <= 1 else 0.1 * math.log(factor) + 1.0
 
 
-def rope_parameters(cfg: "RopeConfig", head_dim: int, max_seq_len: int, seq_len: int | None = None) -> tuple[Tensor, float]:
+def rope_parameters(
+    cfg: RopeConfig, head_dim: int, max_seq_len: int, seq_len: int | None = None
+) -> tuple[Tensor, float]:
     """(inverse frequencies [head_dim / 2] in float64, attention factor) for ``cfg``."""
     d, theta, factor = head_dim, cfg.theta, resolved_factor(cfg)
     inv = base_frequencies(d, theta)
@@ -94,7 +96,7 @@ def rope_parameters(cfg: "RopeConfig", head_dim: int, max_seq_len: int, seq_len:
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, cfg: "RopeConfig", head_dim: int, max_seq_len: int):
+    def __init__(self, cfg: RopeConfig, head_dim: int, max_seq_len: int):
         super().__init__()
         self.cfg, self.head_dim, self.max_seq_len = cfg, head_dim, max_seq_len
         inv, self.attention_factor = rope_parameters(cfg, head_dim, max_seq_len)
@@ -110,7 +112,9 @@ class RotaryEmbedding(nn.Module):
         if self.cfg.scaling == "dynamic_ntk" and positions.numel():
             length = int(positions.max()) + 1  # a host sync, paid only by dynamic NTK
             if length > original_length(self.cfg, self.max_seq_len):
-                return rope_parameters(self.cfg, self.head_dim, self.max_seq_len, seq_len=length)[0].to(self.inv_freq.device)
+                return rope_parameters(self.cfg, self.head_dim, self.max_seq_len, seq_len=length)[0].to(
+                    self.inv_freq.device
+                )
         return self.inv_freq
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:

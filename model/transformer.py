@@ -57,7 +57,15 @@ class SelfAttention(nn.Module):
         spec = LayerSpec(d, cfg.n_heads, cfg.kv_heads, hd, cfg.max_seq_len, layer_idx, cfg.n_layers)
         self.core = build_attention(cfg.attention.kind, cfg.attention.variant, spec, cfg.attention.impl)
 
-    def forward(self, x: Tensor, *, positions: Tensor, rope: tuple[Tensor, Tensor] | None, cache: KVCache | None, documents: Tensor | None = None) -> AttnOut:
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: KVCache | None,
+        documents: Tensor | None = None,
+    ) -> AttnOut:
         b, t, _ = x.shape
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
@@ -80,7 +88,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: Tensor, *, positions: Tensor, rope, cache: KVCache | None, documents: Tensor | None = None) -> tuple[Tensor, AttnOut]:
+    def forward(
+        self, x: Tensor, *, positions: Tensor, rope, cache: KVCache | None, documents: Tensor | None = None
+    ) -> tuple[Tensor, AttnOut]:
         a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache, documents=documents)
         x = x + self.drop(a.output)
         x = x + self.drop(self.mlp(self.norm2(x)))
@@ -122,7 +132,9 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         for name, p in self.named_parameters():
             if p.dim() >= 2:
-                scale = 1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "mlp.down.weight")) else 1.0
+                scale = (
+                    1.0 / math.sqrt(2 * self.cfg.n_layers) if name.endswith(("wo.weight", "mlp.down.weight")) else 1.0
+                )
                 nn.init.normal_(p, mean=0.0, std=std * scale)
             elif name.endswith("bias"):
                 nn.init.zeros_(p)
@@ -166,15 +178,31 @@ class Transformer(nn.Module):
     def new_caches(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> list[KVCache]:
         ref = self.tok_emb.weight
         return [
-            KVCache(batch, self.cfg.kv_heads, self.cfg.head_dim, max_len, dtype=dtype or ref.dtype, device=device or ref.device)
+            KVCache(
+                batch,
+                self.cfg.kv_heads,
+                self.cfg.head_dim,
+                max_len,
+                dtype=dtype or ref.dtype,
+                device=device or ref.device,
+            )
             for _ in self.blocks
         ]
 
-    def forward(self, idx: Tensor, *, targets: Tensor | None = None, caches: list[KVCache] | None = None, return_logits: bool = True) -> ModelOutput:
+    def forward(
+        self,
+        idx: Tensor,
+        *,
+        targets: Tensor | None = None,
+        caches: list[KVCache] | None = None,
+        return_logits: bool = True,
+    ) -> ModelOutput:
         b, t = idx.shape
         start = caches[0].length if caches else 0
         if self.pos_emb is not None and start + t > self.cfg.max_seq_len:
-            raise ValueError(f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)")
+            raise ValueError(
+                f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)"
+            )
         positions = torch.arange(start, start + t, device=idx.device)
         documents = document_ids(idx, self.document_eos_id) if self.document_eos_id is not None and not caches else None
         token_pos = document_positions(documents) if documents is not None else positions  # [B, T] or [T]
@@ -191,9 +219,19 @@ class Transformer(nn.Module):
         recompute = self.activation_checkpointing != "none" and self.training and torch.is_grad_enabled() and not caches
         for i, block in enumerate(self.blocks):
             if recompute:
-                x, a = checkpointed(block, self.activation_checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents)
+                x, a = checkpointed(
+                    block,
+                    self.activation_checkpointing,
+                    x,
+                    positions=positions,
+                    rope=rope,
+                    cache=None,
+                    documents=documents,
+                )
             else:
-                x, a = block(x, positions=positions, rope=rope, cache=caches[i] if caches else None, documents=documents)
+                x, a = block(
+                    x, positions=positions, rope=rope, cache=caches[i] if caches else None, documents=documents
+                )
             if a.aux_loss is not None:
                 aux = a.aux_loss if aux is None else aux + a.aux_loss
             for key, value in a.stats.items():
@@ -201,10 +239,14 @@ class Transformer(nn.Module):
             if a.stats:
                 layer_stats.append({k: v.detach().float() for k, v in a.stats.items()})
         kind = self.cfg.attention.kind
-        out = ModelOutput(aux_loss=aux, stats={f"attn/{kind}/{k}": v for k, v in stats.items()}, layer_stats=layer_stats)
+        out = ModelOutput(
+            aux_loss=aux, stats={f"attn/{kind}/{k}": v for k, v in stats.items()}, layer_stats=layer_stats
+        )
         logits = self.lm_head(self.norm_f(x))
         if targets is not None:
-            out.loss_sum = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+            out.loss_sum = F.cross_entropy(
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+            )
             out.n_tokens = int((targets != -100).sum())
         if return_logits:
             out.logits = logits
@@ -250,7 +292,9 @@ class Transformer(nn.Module):
         return (out, torch.stack(chosen_logits, dim=1)) if return_logits else out
 
 
-def sample_next(logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None) -> Tensor:
+def sample_next(
+    logits: Tensor, *, temperature: float = 0.0, top_k: int | None = None, generator: torch.Generator | None = None
+) -> Tensor:
     if temperature <= 0:
         return logits.argmax(dim=-1)
     logits = logits.float() / temperature

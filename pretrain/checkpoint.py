@@ -84,8 +84,16 @@ class _Alone:
         pass
 
 
-def save_checkpoint(run_dir: Path, step: int, *, write_engine_state, trainer_state: dict[str, Any], keep: int,
-                    meta: dict[str, Any] | None = None, coord: Coordinator | None = None) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    *,
+    write_engine_state,
+    trainer_state: dict[str, Any],
+    keep: int,
+    meta: dict[str, Any] | None = None,
+    coord: Coordinator | None = None,
+) -> Path:
     """Write a complete checkpoint for ``step`` atomically and prune to the newest ``keep``.
 
     ``write_engine_state(directory)`` writes the model/optimizer files (the engine
@@ -193,7 +201,9 @@ def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_a
     try:
         missing, unexpected = load_safetensors(model, str(Path(path) / MODEL_FILE), strict=False, device=str(device))
     except RuntimeError as exc:
-        raise ConfigError(f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})"
+        ) from None
     missing = [name for name in missing if not (new_attention_ok and ".core." in name)]
     if missing or unexpected:
         detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
@@ -206,11 +216,11 @@ def load_model(path: Path, *, device: torch.device | str = "cpu", overrides: lis
     ``overrides`` are ``--set`` assignments applied to the saved config before the model is built,
     e.g. ``model.attention.focus.mode=hard`` to evaluate a soft-trained Focus model sparsely.
     """
+    import tomllib
+
     from model.transformer import build_model
     from pretrain import configlib
     from pretrain.config import run_config_from_dict
-
-    import tomllib
 
     path = Path(path)
     if not (path / MODEL_FILE).is_file():
@@ -232,7 +242,11 @@ def untie(state: dict[str, torch.Tensor], model=None) -> dict[str, torch.Tensor]
     seen, out = set(), {}
     for key, value in state.items():
         param = params.get(key)
-        ident = ("param", id(param)) if param is not None else ("storage", value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        ident = (
+            ("param", id(param))
+            if param is not None
+            else ("storage", value.untyped_storage().data_ptr(), value.storage_offset(), tuple(value.shape))
+        )
         if ident in seen:
             continue
         seen.add(ident)

@@ -75,9 +75,13 @@ class TrainConfig:
         check_choice("train.activation_checkpointing", self.activation_checkpointing, AC_MODES)
         check_min("train.fsdp_replicate", self.fsdp_replicate, 1)
         if self.fsdp_replicate > 1 and self.engine != "fsdp2":
-            raise ConfigError(f"train.fsdp_replicate: {self.fsdp_replicate} needs train.engine = fsdp2 (HSDP), got {self.engine!r}")
+            raise ConfigError(
+                f"train.fsdp_replicate: {self.fsdp_replicate} needs train.engine = fsdp2 (HSDP), got {self.engine!r}"
+            )
         if self.deepspeed_config and self.engine == "deepspeed" and not Path(self.deepspeed_config).is_file():
-            raise ConfigError(f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see launch/deepspeed/)")
+            raise ConfigError(
+                f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see launch/deepspeed/)"
+            )
         if self.stop_at > self.max_steps:
             raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")
         check_min("train.lr", self.lr, 0, strict=True)
@@ -168,7 +172,9 @@ class RunConfig:
 
             if not registry[self.model.attention.kind].cls.supports_documents:
                 supported = ", ".join(k for k, e in sorted(registry.items()) if e.cls.supports_documents)
-                raise ConfigError(f"data.document_masking: not supported by model.attention.kind = {self.model.attention.kind!r}; supported: {supported}")
+                raise ConfigError(
+                    f"data.document_masking: not supported by model.attention.kind = {self.model.attention.kind!r}; supported: {supported}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return configlib.to_dict(self)

@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import tomllib
 import types
 import typing
 from pathlib import Path
 from typing import Any
+
+import tomllib
 
 from model.errors import ConfigError
 
@@ -38,7 +39,9 @@ def _suggest(key: str, allowed: list[str]) -> str:
 
 
 def _type_name(tp: Any) -> str:
-    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _coerce(value: Any, tp: Any, key: str) -> Any:

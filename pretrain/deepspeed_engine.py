@@ -41,17 +41,21 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str,
         raise ConfigError(f"train.deepspeed_config: cannot read {path} as JSON ({exc})") from None
     zero = ds.setdefault("zero_optimization", {})
     if "stage" in zero and zero["stage"] != cfg.zero_stage:
-        raise ConfigError(f"train.zero_stage: {cfg.zero_stage} disagrees with stage {zero['stage']} in {path}; set the stage in one place (train.zero_stage)")
+        raise ConfigError(
+            f"train.zero_stage: {cfg.zero_stage} disagrees with stage {zero['stage']} in {path}; set the stage in one place (train.zero_stage)"
+        )
     zero["stage"] = cfg.zero_stage
     micro = cfg.micro_batch_size or cfg.batch_size // world_size
-    ds.update({
-        "train_batch_size": cfg.batch_size,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": cfg.batch_size // (micro * world_size),
-        "gradient_clipping": cfg.grad_clip,
-        "bf16": {"enabled": bf16},
-        "fp16": {"enabled": False},
-    })
+    ds.update(
+        {
+            "train_batch_size": cfg.batch_size,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": cfg.batch_size // (micro * world_size),
+            "gradient_clipping": cfg.grad_clip,
+            "bf16": {"enabled": bf16},
+            "fp16": {"enabled": False},
+        }
+    )
     return ds
 
 
@@ -62,11 +66,17 @@ class DeepSpeedEngine(DataParallelEngine):
         import deepspeed
 
         if not dist.is_initialized():
-            raise ConfigError("train.engine: deepspeed needs the process group (start it with torchrun or the deepspeed launcher)")
+            raise ConfigError(
+                "train.engine: deepspeed needs the process group (start it with torchrun or the deepspeed launcher)"
+            )
         if cfg.unfreeze_at:
-            raise ConfigError("train.unfreeze_at: not supported with train.engine=deepspeed (the trainable set is fixed when the model is wrapped); use train.engine=single")
+            raise ConfigError(
+                "train.unfreeze_at: not supported with train.engine=deepspeed (the trainable set is fixed when the model is wrapped); use train.engine=single"
+            )
         if cfg.compile:
-            raise ConfigError("train.compile: not supported with train.engine=deepspeed here; use fsdp2 for torch.compile")
+            raise ConfigError(
+                "train.compile: not supported with train.engine=deepspeed here; use fsdp2 for torch.compile"
+            )
         self.cfg, self.device, self.raw_model = cfg, device, model
         prepare_blocks(model, cfg)
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -74,11 +84,15 @@ class DeepSpeedEngine(DataParallelEngine):
         self.amp_dtype = None  # DeepSpeed casts the model itself when bf16 is on
         optimizer = build_optimizer(model, cfg, device)
         self.scheduler = build_scheduler(optimizer, cfg)
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.world_size, bf16))
+        self.ds, self.optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.world_size, bf16)
+        )
         self.wrapped = self.model = self.ds
         self._micro = 0
 
-    def micro_step(self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool) -> MicroStepOut:
+    def micro_step(
+        self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool
+    ) -> MicroStepOut:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
         out = self.ds(inputs, targets=targets, return_logits=False)
         loss = out.loss_sum * (loss_scale * self.world_size)  # DeepSpeed averages over ranks
@@ -117,10 +131,14 @@ class DeepSpeedEngine(DataParallelEngine):
 
     def read_state(self, directory: Path) -> None:
         if not (directory / DS_TAG).is_dir():
-            raise ConfigError(f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the engine that wrote it")
+            raise ConfigError(
+                f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the engine that wrote it"
+            )
         saved = sorted(p.name for p in (directory / DS_TAG).glob("*model_states.pt"))
         if self.cfg.zero_stage == 3 and len(saved) != self.world_size:
-            raise ConfigError(f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with the same world size")
+            raise ConfigError(
+                f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with the same world size"
+            )
         path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
         if path is None:
             raise ConfigError(f"train.engine: deepspeed could not load {directory}")

@@ -11,9 +11,10 @@ forward+backward (gradient sync only on the last micro-batch), ``optimizer_step`
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -93,7 +94,9 @@ class Engine:
         """Skip gradient synchronisation on all but the last micro-batch (data-parallel engines)."""
         return contextlib.nullcontext()
 
-    def micro_step(self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool) -> MicroStepOut:
+    def micro_step(
+        self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool
+    ) -> MicroStepOut:
         """Forward + backward of one micro-batch. The LM loss is ``loss_sum * loss_scale``
         (1 / global target tokens of the step), so accumulation equals one large batch."""
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
@@ -156,7 +159,10 @@ class SingleEngine(Engine):
         from safetensors.torch import save_model
 
         save_model(self.raw_model, str(directory / MODEL_FILE))
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}, directory / "optimizer.pt")
+        torch.save(
+            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+            directory / "optimizer.pt",
+        )
 
     def read_state(self, directory: Path) -> None:
         load_weights(self.raw_model, directory, device=self.device)
@@ -183,7 +189,12 @@ def _deepspeed(*args) -> Engine:
     return DeepSpeedEngine(*args)
 
 
-ENGINES: dict[str, Callable[..., Engine]] = {"single": SingleEngine, "ddp": _ddp, "fsdp2": _fsdp2, "deepspeed": _deepspeed}
+ENGINES: dict[str, Callable[..., Engine]] = {
+    "single": SingleEngine,
+    "ddp": _ddp,
+    "fsdp2": _fsdp2,
+    "deepspeed": _deepspeed,
+}
 
 
 @contextlib.contextmanager

@@ -36,7 +36,9 @@ def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
     if (path / "ds").is_dir():
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return {k: v.float().contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds").items()}
+        return {
+            k: v.float().contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds").items()
+        }
     raise FileNotFoundError(f"{path}: no {ckpt.MODEL_FILE}, dcp/ or ds/ (not a checkpoint directory)")
 
 
@@ -45,7 +47,12 @@ def export(path: Path, out: Path) -> Path:
 
     state = ckpt.load_trainer_state(path)
     weights = ckpt.untie(consolidated_weights(path))
-    metadata = {"config": state["config"], "step": str(state["step"]), "tokens": str(state["tokens"]), "source": str(path)}
+    metadata = {
+        "config": state["config"],
+        "step": str(state["step"]),
+        "tokens": str(state["tokens"]),
+        "source": str(path),
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     save_file(weights, str(tmp), metadata=metadata)
@@ -68,7 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         path = Path(args.checkpoint)
         if not (path / ckpt.TRAINER_STATE).is_file():
-            print(f"error: --checkpoint: {path} is not a complete checkpoint directory (no {ckpt.TRAINER_STATE})", file=sys.stderr)
+            print(
+                f"error: --checkpoint: {path} is not a complete checkpoint directory (no {ckpt.TRAINER_STATE})",
+                file=sys.stderr,
+            )
             return 2
     out = export(path, Path(args.out))
     print(f"exported {path} -> {out}")

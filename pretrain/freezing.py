@@ -26,7 +26,9 @@ def check_patterns(model: nn.Module, cfg: TrainConfig) -> None:
     for key in ("freeze", "trainable"):
         for pattern in getattr(cfg, key):
             if not any(fnmatchcase(name, pattern) for name in names):
-                raise ConfigError(f"train.{key}: pattern {pattern!r} matches no parameter (names look like {names[-1]!r})")
+                raise ConfigError(
+                    f"train.{key}: pattern {pattern!r} matches no parameter (names look like {names[-1]!r})"
+                )
 
 
 def is_trainable(name: str, cfg: TrainConfig, step: int) -> bool:

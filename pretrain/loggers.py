@@ -33,7 +33,11 @@ class MetricsFile:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+        kept = [
+            line
+            for line in self.path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("step", 0) <= step
+        ]
         tmp = self.path.with_suffix(".jsonl.tmp")
         tmp.write_text("".join(line + "\n" for line in kept))
         os.replace(tmp, self.path)

@@ -46,7 +46,13 @@ def seed_everything(seed: int) -> None:
 
 def code_version() -> str:
     try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=Path(__file__).parent, capture_output=True, text=True, timeout=5)
+        out = subprocess.run(
+            ["git", "describe", "--always", "--dirty"],
+            cwd=Path(__file__).parent,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -78,13 +84,23 @@ class Trainer:
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
         if self.corpus.stream is not None:
             self.loader = StreamBatchLoader(
-                self.corpus.stream, self.corpus.tokenizer, seq_len=cfg.data.seq_len, batch_size=cfg.train.batch_size,
-                micro_batch_size=micro, rank=self.engine.rank, world_size=world, seed=cfg.train.seed,
+                self.corpus.stream,
+                self.corpus.tokenizer,
+                seq_len=cfg.data.seq_len,
+                batch_size=cfg.train.batch_size,
+                micro_batch_size=micro,
+                rank=self.engine.rank,
+                world_size=world,
+                seed=cfg.train.seed,
             )
         else:
             self.loader = BatchLoader(
-                self.corpus.train, batch_size=cfg.train.batch_size, micro_batch_size=micro,
-                rank=self.engine.rank, world_size=world, seed=cfg.train.seed,
+                self.corpus.train,
+                batch_size=cfg.train.batch_size,
+                micro_batch_size=micro,
+                rank=self.engine.rank,
+                world_size=world,
+                seed=cfg.train.seed,
             )
         self.eval_batch_size = cfg.eval.batch_size or micro
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["flops_per_token"]
@@ -93,7 +109,13 @@ class Trainer:
             self.corpus.tokenizer.save(self.run_dir)
             atomic_write_text(self.run_dir / "config.toml", cfg.to_toml())
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-        self.loggers = Loggers(self.run_dir, cfg.log, run_name=cfg.run.name or self.run_dir.name, config=cfg.to_dict(), enabled=self.engine.is_main)
+        self.loggers = Loggers(
+            self.run_dir,
+            cfg.log,
+            run_name=cfg.run.name or self.run_dir.name,
+            config=cfg.to_dict(),
+            enabled=self.engine.is_main,
+        )
         self._restore()
 
     def _apply_trainable(self) -> None:
@@ -107,7 +129,9 @@ class Trainer:
         if not counts:
             return {}
         names = sorted(counts)
-        total = self.engine.all_reduce_sum(torch.tensor([float(counts[n]) for n in names], dtype=torch.float64, device=self.device))
+        total = self.engine.all_reduce_sum(
+            torch.tensor([float(counts[n]) for n in names], dtype=torch.float64, device=self.device)
+        )
         return {f"data/tokens/{n}": float(v) for n, v in zip(names, total.tolist())}
 
     def _reference_batch(self) -> torch.Tensor:
@@ -139,10 +163,14 @@ class Trainer:
         path = Path(source)
         path = ckpt.latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
         if path is None or not (path / ckpt.MODEL_FILE).is_file():
-            raise ConfigError(f"train.init_from: {source!r} is neither a complete checkpoint nor a run directory with one")
+            raise ConfigError(
+                f"train.init_from: {source!r} is neither a complete checkpoint nor a run directory with one"
+            )
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
-            raise ConfigError(f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to {path / 'tokenizer.model'}")
+            raise ConfigError(
+                f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to {path / 'tokenizer.model'}"
+            )
         ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
         self._say(f"initialised weights from {path} (step {state['step']})")
 
@@ -154,7 +182,9 @@ class Trainer:
             return
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
-            raise ConfigError(f"data.tokenizer: does not match the tokenizer of checkpoint {path} (fingerprints differ)")
+            raise ConfigError(
+                f"data.tokenizer: does not match the tokenizer of checkpoint {path} (fingerprints differ)"
+            )
         if state["data_fingerprint"] != self.corpus.fingerprint:
             raise ConfigError(f"data: the corpus or its settings changed since checkpoint {path}; use a new run.dir")
         self.engine.read_state(path)
@@ -173,8 +203,12 @@ class Trainer:
 
     def save(self) -> Path:
         path = ckpt.save_checkpoint(
-            self.run_dir, self.step, write_engine_state=self._write_checkpoint_files,
-            trainer_state=self._trainer_state(), keep=self.cfg.checkpoint.keep, meta={"tokens": self.tokens},
+            self.run_dir,
+            self.step,
+            write_engine_state=self._write_checkpoint_files,
+            trainer_state=self._trainer_state(),
+            keep=self.cfg.checkpoint.keep,
+            meta={"tokens": self.tokens},
             coord=self.engine,
         )
         self._say(f"checkpoint saved: {path}")
@@ -184,10 +218,17 @@ class Trainer:
     def validate(self) -> float | None:
         if self.corpus.val is None:  # a stream without data.val_path
             return None
-        batches = eval_batches(self.corpus.val, batch_size=self.eval_batch_size, max_batches=self.cfg.eval.batches,
-                               rank=self.engine.rank, world_size=self.engine.world_size)
+        batches = eval_batches(
+            self.corpus.val,
+            batch_size=self.eval_batch_size,
+            max_batches=self.cfg.eval.batches,
+            rank=self.engine.rank,
+            world_size=self.engine.world_size,
+        )
         local, count = mean_loss(self.engine.model, batches, device=self.device, autocast=self.engine.autocast())
-        sums = self.engine.all_reduce_sum(torch.tensor([local * count, float(count)], dtype=torch.float64, device=self.device))
+        sums = self.engine.all_reduce_sum(
+            torch.tensor([local * count, float(count)], dtype=torch.float64, device=self.device)
+        )
         loss = float(sums[0] / sums[1])
         self.last_val = loss
         self.loggers.log({"step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)})
@@ -204,14 +245,23 @@ class Trainer:
         from eval.harness import FocusedLM, evaluate, flatten_for_metrics
 
         ev = self.cfg.eval
-        lm = FocusedLM(self.model, self.corpus.tokenizer, device=self.device, batch_size=self.eval_batch_size,
-                       max_length=self.cfg.data.seq_len, rank=self.engine.rank, world_size=self.engine.world_size)
+        lm = FocusedLM(
+            self.model,
+            self.corpus.tokenizer,
+            device=self.device,
+            batch_size=self.eval_batch_size,
+            max_length=self.cfg.data.seq_len,
+            rank=self.engine.rank,
+            world_size=self.engine.world_size,
+        )
         with self.engine.autocast():
             results = evaluate(lm, ev.tasks, limit=ev.limit or None, data_dir=ev.data_dir or None)
         flat = flatten_for_metrics(results)
         if flat:
             self.loggers.log({"step": self.step, **flat})
-            self.loggers.console(f"step {self.step:>6} | " + " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items()))
+            self.loggers.console(
+                f"step {self.step:>6} | " + " | ".join(f"{k.removeprefix('eval/')} {v:.4f}" for k, v in flat.items())
+            )
         return flat
 
     def train_step(self, log_step: bool) -> dict:
@@ -226,7 +276,9 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         aux_sum, stats = None, {}
         for i, mb in enumerate(micro):
-            out = self.engine.micro_step(mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1)
+            out = self.engine.micro_step(
+                mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1
+            )
             loss_sum += out.loss_sum
             if out.aux_loss is not None:
                 aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
@@ -237,7 +289,13 @@ class Trainer:
         self.tokens += n_global
         if not log_step:
             return {}
-        record = {"step": self.step, "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global, "lr": lr, "grad_norm": float(grad_norm), "tokens": self.tokens}
+        record = {
+            "step": self.step,
+            "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "tokens": self.tokens,
+        }
         if aux_sum is not None:
             record["aux_loss"] = float(aux_sum)
         record.update(self._source_tokens())
@@ -277,7 +335,9 @@ class Trainer:
                     timer.lap()
             preempted = self.step < stop and self._stop_requested(preempt)
         if preempted:
-            self._say(f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step {self.step} and exiting with {PREEMPTED_EXIT_CODE}")
+            self._say(
+                f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step {self.step} and exiting with {PREEMPTED_EXIT_CODE}"
+            )
         elif self.step == cfg.max_steps:
             if not self.cfg.eval.every or self.step % self.cfg.eval.every:
                 self.validate()
@@ -324,4 +384,3 @@ class Trainer:
         self.model.eval()
         out = self.model.generate(x, max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tok.eos_id)
         return tok.decode(out[0].tolist())
-

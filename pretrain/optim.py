@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-
-from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from pretrain.config import TrainConfig

@@ -34,7 +34,9 @@ SCHEDULER_FILE = "scheduler.pt"
 def init_process_group(cfg: TrainConfig) -> torch.device:
     """Join the launcher's process group (idempotent) and return this rank's device."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise ConfigError(f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); RANK/WORLD_SIZE are not set")
+        raise ConfigError(
+            f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); RANK/WORLD_SIZE are not set"
+        )
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -42,7 +44,9 @@ def init_process_group(cfg: TrainConfig) -> torch.device:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=30), device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=timedelta(minutes=30), device_id=device if device.type == "cuda" else None
+        )
     return device
 
 
@@ -53,7 +57,9 @@ class DataParallelEngine(Engine):
         if not dist.is_initialized():
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
         if cfg.unfreeze_at:
-            raise ConfigError(f"train.unfreeze_at: not supported with train.engine={cfg.engine} (the trainable set is fixed when the model is wrapped); use train.engine=single")
+            raise ConfigError(
+                f"train.unfreeze_at: not supported with train.engine={cfg.engine} (the trainable set is fixed when the model is wrapped); use train.engine=single"
+            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_average_ranks = self.world_size
         super().__init__(model, cfg, device)
@@ -101,7 +107,9 @@ class DataParallelEngine(Engine):
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         if not (directory / DCP_DIR).is_dir():
-            raise ConfigError(f"train.engine: checkpoint {directory} was not written by a DCP engine (ddp / fsdp2); resume it with the engine that wrote it")
+            raise ConfigError(
+                f"train.engine: checkpoint {directory} was not written by a DCP engine (ddp / fsdp2); resume it with the engine that wrote it"
+            )
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
@@ -140,7 +148,9 @@ class FSDP2Engine(DataParallelEngine):
         if self.world_size % replicate:
             raise ConfigError(f"train.fsdp_replicate: {replicate} does not divide the world size {self.world_size}")
         if replicate > 1:  # HSDP: shard within groups, all-reduce across them
-            mesh = init_device_mesh(self.device.type, (replicate, self.world_size // replicate), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                self.device.type, (replicate, self.world_size // replicate), mesh_dim_names=("replicate", "shard")
+            )
         else:
             mesh = init_device_mesh(self.device.type, (self.world_size,))
         kwargs: dict[str, Any] = {"mesh": mesh}

@@ -27,7 +27,7 @@ class PreemptionHandler:
     def requested(self) -> bool:
         return self.received is not None
 
-    def __enter__(self) -> "PreemptionHandler":
+    def __enter__(self) -> PreemptionHandler:
         for sig in self.SIGNALS:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self

@@ -12,10 +12,24 @@ from pretrain.config import load_run_config
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__)
     p.add_argument("--config", help="TOML run config (see launch/configs/)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable: --set train.max_steps=200")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted override, repeatable: --set train.max_steps=200",
+    )
     p.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved and exit")
-    p.add_argument("--print", dest="print_key", metavar="KEY", help="validate the config, print one resolved value (e.g. run.dir) and exit")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # passed by the DeepSpeed launcher
+    p.add_argument(
+        "--print",
+        dest="print_key",
+        metavar="KEY",
+        help="validate the config, print one resolved value (e.g. run.dir) and exit",
+    )
+    p.add_argument(
+        "--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS
+    )  # passed by the DeepSpeed launcher
     return p.parse_args(argv)
 
 
@@ -72,10 +86,14 @@ def _final_report(trainer, result) -> None:
     main_rank = trainer.engine.is_main
     if result.val_loss is not None and main_rank:
         entropy = trainer.corpus.unigram_entropy
-        print(f"final validation loss {result.val_loss:.4f} | perplexity {perplexity(result.val_loss):.2f}"
-              + (f" | corpus unigram entropy {entropy:.4f} nats" if entropy is not None else ""))
+        print(
+            f"final validation loss {result.val_loss:.4f} | perplexity {perplexity(result.val_loss):.2f}"
+            + (f" | corpus unigram entropy {entropy:.4f} nats" if entropy is not None else "")
+        )
     if cfg.eval.sample_tokens:
-        text = trainer.sample(cfg.eval.sample_tokens, cfg.eval.sample_prompt)  # every rank: sharded weights need all of them
+        text = trainer.sample(
+            cfg.eval.sample_tokens, cfg.eval.sample_prompt
+        )  # every rank: sharded weights need all of them
         if main_rank:
             print("sample:\n" + text)
 
@@ -87,6 +105,7 @@ def _leave_process_group() -> None:
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -85,7 +85,11 @@ def _arc_from_olmes(doc: dict) -> dict:
     # OLMES rows hold the rendered lm_eval query "Question: {question}\nAnswer:"; take the question back out.
     question = doc["query"].removeprefix("Question: ").removesuffix("\nAnswer:")
     labels = list(_LETTERS[: len(doc["choices"])])
-    return {"question": question, "choices": {"text": doc["choices"], "label": labels}, "answerKey": labels[doc["gold"]]}
+    return {
+        "question": question,
+        "choices": {"text": doc["choices"], "label": labels},
+        "answerKey": labels[doc["gold"]],
+    }
 
 
 @_memo

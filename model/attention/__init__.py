@@ -1,5 +1,6 @@
 """Attention variants. Importing this package registers every built-in variant."""
 
+from model.attention import dga, focal, focus, full, lazy, prescored_hyper  # noqa: F401,E402  (register the built-in variants)
 from model.attention.base import (  # noqa: F401
     Attention,
     AttnOut,
@@ -10,4 +11,3 @@ from model.attention.base import (  # noqa: F401
     register_attention,
     registry,
 )
-from model.attention import dga, focal, focus, full, lazy, prescored_hyper  # noqa: F401,E402  (register the built-in variants)

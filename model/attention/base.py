@@ -10,8 +10,9 @@ one); the caller never chooses a kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -57,7 +58,16 @@ class KVCache:
     memberships, DGA aggregated groups, ...).
     """
 
-    def __init__(self, batch: int, n_kv_heads: int, head_dim: int, max_len: int, *, dtype: torch.dtype, device: torch.device | str):
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ):
         shape = (batch, n_kv_heads, max_len, head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
@@ -92,15 +102,26 @@ class Attention(nn.Module):
     def suite_cases(cls) -> list[SuiteCase]:
         return [SuiteCase("default")]
 
-    def forward(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, positions: Tensor, cache: KVCache | None = None,
-                documents: Tensor | None = None) -> AttnOut:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        documents: Tensor | None = None,
+    ) -> AttnOut:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute positions of the T tokens.
         documents: [B, T] document index per token (document-aware masking; model/documents.py)."""
         if documents is not None:
             if cache is not None:
                 raise ValueError("document masking applies to whole-sequence forwards, not to cached decoding")
             if not self.supports_documents:
-                raise ValueError(f"attention variant {self.name!r} has no document-aware masking (data.document_masking needs model.attention.kind = full)")
+                raise ValueError(
+                    f"attention variant {self.name!r} has no document-aware masking (data.document_masking needs model.attention.kind = full)"
+                )
             return self.document_attention(q, k, v, hidden=hidden, documents=documents)
         if cache is not None:
             k, v = cache.append(k, v)
@@ -119,11 +140,15 @@ class Attention(nn.Module):
         """Causal attention within each document of a packed sequence (documents: [B, T])."""
         raise NotImplementedError
 
-    def reference(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         """Dense path materialising T x T scores: slow, obviously correct, any device and dtype."""
         raise NotImplementedError
 
-    def fast(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         return self.reference(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
 import torch
 from torch import Tensor
 
@@ -73,7 +74,9 @@ class DGAConfig:
         check_min(key + "sample_random", self.sample_random, 0)
         check_min(key + "chunk_size", self.chunk_size, 1)
         if self.chunk_size < self.group_size:
-            raise ConfigError(f"{key}chunk_size: must be >= group_size={self.group_size} (a group lives inside one chunk), got {self.chunk_size}")
+            raise ConfigError(
+                f"{key}chunk_size: must be >= group_size={self.group_size} (a group lives inside one chunk), got {self.chunk_size}"
+            )
         check_min(key + "decode_fold", self.decode_fold, 1.0)
 
 
@@ -131,12 +134,27 @@ class DynamicGroupAttention(Attention):
         small = dict(group_size=2, gamma=0.2, sample_recent=2, sample_random=3)
         return [
             SuiteCase("causal", dict(selection="causal", chunk_size=8, **small)),
-            SuiteCase("causal-m3", dict(selection="causal", chunk_size=7, group_size=3, gamma=0.15, sample_recent=1, sample_random=2)),
+            SuiteCase(
+                "causal-m3",
+                dict(selection="causal", chunk_size=7, group_size=3, gamma=0.15, sample_recent=1, sample_random=2),
+            ),
             SuiteCase("sequence", dict(selection="sequence", **small), causal=False),
         ]
 
     # ---- compression (shared by every path) ------------------------------------------
-    def compress(self, q: Tensor, k: Tensor, v: Tensor, starts: Tensor, n: int, window: int, offsets: Tensor, *, q_base: int = 0, k_base: int = 0) -> Compressed:
+    def compress(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        starts: Tensor,
+        n: int,
+        window: int,
+        offsets: Tensor,
+        *,
+        q_base: int = 0,
+        k_base: int = 0,
+    ) -> Compressed:
         """Compress units [s, s + n) for each s in ``starts``.
 
         q, k, v: [B, H, *, D] (k, v already at the query head count); q row p holds position
@@ -161,7 +179,9 @@ class DynamicGroupAttention(Attention):
             mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
             a = ref.masked_softmax(torch.matmul(qs, kw.transpose(-1, -2)) * self.scale, mask)
             importance = (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]  # [B, H, U, n]
-            focal = torch.zeros_like(importance, dtype=torch.bool).scatter_(-1, importance.topk(r, dim=-1).indices, True)
+            focal = torch.zeros_like(importance, dtype=torch.bool).scatter_(
+                -1, importance.topk(r, dim=-1).indices, True
+            )
             # stable sort on the flag: non-focal first, each part in position order
             order = torch.argsort(focal.to(torch.int8), dim=-1, stable=True) + starts[:, None]
         focal_pos = order[..., n - r :]
@@ -171,13 +191,26 @@ class DynamicGroupAttention(Attention):
         p = torch.softmax((q_last.to(dt)[..., None, :] * km.to(dt)).sum(-1) * self.scale, dim=-1)  # [B, H, U, g, m]
         agg_k = (p[..., None] * km.to(dt)).sum(-2).to(k.dtype)
         agg_v = (p[..., None] * vm.to(dt)).sum(-2).to(v.dtype)
-        return Compressed(focal_pos, members, ref.take_rows(k, focal_pos - k_base), ref.take_rows(v, focal_pos - k_base), agg_k, agg_v)
+        return Compressed(
+            focal_pos, members, ref.take_rows(k, focal_pos - k_base), ref.take_rows(v, focal_pos - k_base), agg_k, agg_v
+        )
 
     def _causal_units(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C)."""
         c = self.cfg.chunk_size
         units = torch.arange(first, last)
-        offsets = torch.stack([sample_offsets(2 * c, self.cfg.sample_recent, self.cfg.sample_random, self.cfg.seed * 1_000_003 + int(j)) for j in units]) if last > first else torch.zeros(0, 1, dtype=torch.long)
+        offsets = (
+            torch.stack(
+                [
+                    sample_offsets(
+                        2 * c, self.cfg.sample_recent, self.cfg.sample_random, self.cfg.seed * 1_000_003 + int(j)
+                    )
+                    for j in units
+                ]
+            )
+            if last > first
+            else torch.zeros(0, 1, dtype=torch.long)
+        )
         return units * c, offsets
 
     def _compress_causal(self, q, k, v, first: int, last: int, q_base: int = 0, k_base: int = 0):
@@ -217,7 +250,9 @@ class DynamicGroupAttention(Attention):
         else:
             # a non-focal token is seen raw (complementary) while its group is unfinished at the query
             group_last = torch.full((b, h, tk), -1, dtype=torch.long, device=dev)
-            group_last.scatter_(-1, comp.members.reshape(b, h, -1), comp.members[..., -1:].expand_as(comp.members).reshape(b, h, -1))
+            group_last.scatter_(
+                -1, comp.members.reshape(b, h, -1), comp.members[..., -1:].expand_as(comp.members).reshape(b, h, -1)
+            )
             unfinished = group_last[:, :, None, :] > q_pos[:, None]
             raw = causal & (focal[:, :, None, :] | unfinished)
             agg = last[:, :, None, :] <= q_pos[None, None, :, None]
@@ -262,7 +297,9 @@ class DynamicGroupAttention(Attention):
             out, counts = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
         return AttnOut(out, stats=self._stats(counts, q_pos) if self.collect_stats else {})
 
-    def _attend(self, qb: Tensor, qpos_b: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, lk: Tensor, lv: Tensor, lmask: Tensor) -> tuple[Tensor, Tensor]:
+    def _attend(
+        self, qb: Tensor, qpos_b: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, lk: Tensor, lv: Tensor, lmask: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Softmax over [compressed entries; local keys] for query blocks.
 
         qb [B, H, nb, bq, D], qpos_b [nb, bq] (-1 = padding); ck/cv [B, H, N, D], avail [B, H, N];
@@ -277,7 +314,9 @@ class DynamicGroupAttention(Attention):
         lmask = lmask.expand(*ls.shape)
         p = ref.masked_softmax(torch.cat([cs, ls], -1), torch.cat([cmask.expand(*cs.shape), lmask], -1))
         n = ck.shape[2]
-        out = torch.einsum("bhnqk,bhkd->bhnqd", p[..., :n], cv.to(dt)) + torch.einsum("bhnqw,bhnwd->bhnqd", p[..., n:], lv.to(dt))
+        out = torch.einsum("bhnqk,bhkd->bhnqd", p[..., :n], cv.to(dt)) + torch.einsum(
+            "bhnqw,bhnwd->bhnqd", p[..., n:], lv.to(dt)
+        )
         return out.to(qb.dtype), cmask.sum(-1) + lmask.sum(-1)
 
     def _attend_window(self, q, q_pos, k, v, ck, cv, avail) -> tuple[Tensor, Tensor]:
@@ -321,7 +360,9 @@ class DynamicGroupAttention(Attention):
             lk = k.new_zeros(b, h, tq, 0, d)
             lv, lmask = lk, torch.zeros(1, 1, tq, 1, 0, dtype=torch.bool, device=q.device)
         else:
-            seen = torch.searchsorted(nonfocal, q_pos.expand(b, h, -1).contiguous(), right=True)  # non-focal tokens <= query
+            seen = torch.searchsorted(
+                nonfocal, q_pos.expand(b, h, -1).contiguous(), right=True
+            )  # non-focal tokens <= query
             z = seen // m  # the query's unfinished group
             slot = (z * m)[..., None] + torch.arange(m, device=q.device)
             valid = slot < seen[..., None]
@@ -347,8 +388,12 @@ class DynamicGroupAttention(Attention):
                 return (t <= qp) & (t // c >= qp // c - 1)
         else:
             group_last = torch.full((b, h, tk), tk, dtype=torch.long, device=q.device)  # focal: never "unfinished"
-            group_last.scatter_(-1, comp.members.reshape(b, h, -1), comp.members[..., -1:].expand_as(comp.members).reshape(b, h, -1))
-            focal = torch.zeros(b, h, tk, dtype=torch.bool, device=q.device).scatter_(-1, comp.focal_pos.reshape(b, h, -1), True)
+            group_last.scatter_(
+                -1, comp.members.reshape(b, h, -1), comp.members[..., -1:].expand_as(comp.members).reshape(b, h, -1)
+            )
+            focal = torch.zeros(b, h, tk, dtype=torch.bool, device=q.device).scatter_(
+                -1, comp.focal_pos.reshape(b, h, -1), True
+            )
 
             def raw_visible(bi, hi, qp, t):
                 return (t <= qp) & ~focal[bi, hi, t] & (group_last[bi, hi, t] > qp)
@@ -383,18 +428,32 @@ class DynamicGroupAttention(Attention):
     def _cached_causal(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
         b, hq, _, d = q.shape
         c = self.cfg.chunk_size
-        st = cache.extra.setdefault("dga", {"folded": 0, "q": q[:, :, :0], "q_start": 0, "k": q.new_zeros(b, hq, 0, d), "v": q.new_zeros(b, hq, 0, d), "avail": torch.zeros(b, hq, 0, dtype=torch.long, device=q.device)})
+        st = cache.extra.setdefault(
+            "dga",
+            {
+                "folded": 0,
+                "q": q[:, :, :0],
+                "q_start": 0,
+                "k": q.new_zeros(b, hq, 0, d),
+                "v": q.new_zeros(b, hq, 0, d),
+                "avail": torch.zeros(b, hq, 0, dtype=torch.long, device=q.device),
+            },
+        )
         st["q"] = torch.cat([st["q"], q], dim=2)  # queries of the chunks not yet folded (importance samples, q_last)
         need = self._needed_chunks(int(q_pos[-1]))
         if need > st["folded"]:
             lo, hi = st["folded"] * c, (need + 1) * c  # chunks folded..need-1 and their successors
             ks, vs = ref.expand_kv(k[:, :, lo:hi], hq), ref.expand_kv(v[:, :, lo:hi], hq)
-            _, (ck, cv, avail) = self._compress_causal(st["q"], ks, vs, st["folded"], need, q_base=st["q_start"], k_base=lo)
+            _, (ck, cv, avail) = self._compress_causal(
+                st["q"], ks, vs, st["folded"], need, q_base=st["q_start"], k_base=lo
+            )
             st["k"], st["v"] = torch.cat([st["k"], ck], 2), torch.cat([st["v"], cv], 2)
             st["avail"] = torch.cat([st["avail"], avail], 2)
             st["q"] = st["q"][:, :, need * c - st["q_start"] :]
             st["folded"], st["q_start"] = need, need * c
-        return self._attend_window(q, q_pos, ref.expand_kv(k, hq), ref.expand_kv(v, hq), st["k"], st["v"], st["avail"])[0]
+        return self._attend_window(q, q_pos, ref.expand_kv(k, hq), ref.expand_kv(v, hq), st["k"], st["v"], st["avail"])[
+            0
+        ]
 
     def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
         """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1)."""
@@ -474,4 +533,3 @@ def _flex_ok() -> bool:
     except ImportError:
         return False
     return flex_available()
-

@@ -80,7 +80,9 @@ class FocusConfig:
         check_range(p + "top_k", self.top_k, 1, self.n_groups)
         check_min(p + "entropy_weight", self.entropy_weight, 0.0)
         if self.lambda_schedule != "constant" and self.lambda_learnable:
-            raise ConfigError(f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) cannot also be learned; set lambda_learnable=false")
+            raise ConfigError(
+                f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) cannot also be learned; set lambda_learnable=false"
+            )
 
 
 def lambda_at(cfg: FocusConfig, step: int, max_steps: int) -> float:
@@ -211,7 +213,17 @@ class FocusAttention(Attention):
         g_q, g_k = self.assignments(hidden, cache)
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
-            out = hard_attention(q, k, v, bits_q=bits_q, bits_k=bits_k, q_pos=q_pos, window=self.cfg.window, scale=self._scale(), n_groups=self.cfg.n_groups)
+            out = hard_attention(
+                q,
+                k,
+                v,
+                bits_q=bits_q,
+                bits_k=bits_k,
+                q_pos=q_pos,
+                window=self.cfg.window,
+                scale=self._scale(),
+                n_groups=self.cfg.n_groups,
+            )
         else:
             out = self.soft_flex(q, k, v, g_q, g_k, q_pos)
         return self._out(out, g_q, g_k, q_pos, k_pos, cache)
@@ -242,7 +254,9 @@ class FocusAttention(Attention):
             return kv <= q_pos[qi]
 
         block_mask = create_block_mask(causal, None, None, q.shape[2], k.shape[2], device=q.device)
-        return flex_attention_fn(q.is_cuda)(q, k, v, score_mod=gated, block_mask=block_mask, scale=self._scale(), enable_gqa=k.shape[1] != q.shape[1])
+        return flex_attention_fn(q.is_cuda)(
+            q, k, v, score_mod=gated, block_mask=block_mask, scale=self._scale(), enable_gqa=k.shape[1] != q.shape[1]
+        )
 
     def _memberships(self, g_q: Tensor, g_k: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
         bits_q = membership_bits(g_q, self.cfg.top_k)
@@ -251,7 +265,9 @@ class FocusAttention(Attention):
         return bits_q, self._cached(cache, "focus_bits", bits_q)
 
     # ---- auxiliary loss and statistics ------------------------------------------------
-    def _out(self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> AttnOut:
+    def _out(
+        self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         entropy = -(g_q * torch.log(g_q.clamp_min(1e-30))).sum(-1).mean()
         aux = None
         if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad:
@@ -262,7 +278,9 @@ class FocusAttention(Attention):
             return AttnOut(output, aux_loss=aux)
         with torch.no_grad():
             g = g_q.detach()
-            share = torch.bincount(g.argmax(-1).flatten(), minlength=self.cfg.n_groups).float() / g.shape[0] / g.shape[1]
+            share = (
+                torch.bincount(g.argmax(-1).flatten(), minlength=self.cfg.n_groups).float() / g.shape[0] / g.shape[1]
+            )
             stats = {
                 "max_group_share": share.max(),
                 "confidence": g.max(-1).values.mean(),
@@ -273,7 +291,9 @@ class FocusAttention(Attention):
             stats.update(self._pair_stats(g, g_k.detach(), q_pos, k_pos, cache))
         return AttnOut(output, aux_loss=aux, stats=stats)
 
-    def _pair_stats(self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None) -> dict[str, Tensor]:
+    def _pair_stats(
+        self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> dict[str, Tensor]:
         """Mean gate on distant pairs (soft) or the share of causal pairs kept (hard), on sampled query rows."""
         rows = torch.arange(0, g_q.shape[1], max(1, g_q.shape[1] // STATS_ROWS), device=g_q.device)
         g_q, q_pos = g_q[:, rows], q_pos[rows]

@@ -58,7 +58,10 @@ class FullAttention(Attention):
         stats = self.stats(scale) if self.collect_stats else {}
         if isinstance(scale, Tensor):  # a per-query scale folds into q; the kernel then scales by 1
             q, scale = q * scale.to(q.dtype), 1.0
-        return AttnOut(sdpa_causal(q, k, v, q_pos=q_pos, k_pos=k_pos, scale=scale, flash=self._use_flash_attn(q, cache)), stats=stats)
+        return AttnOut(
+            sdpa_causal(q, k, v, q_pos=q_pos, k_pos=k_pos, scale=scale, flash=self._use_flash_attn(q, cache)),
+            stats=stats,
+        )
 
     supports_documents = True
 
@@ -73,7 +76,9 @@ class FullAttention(Attention):
         if q.is_cuda and flex_available():
             return AttnOut(flex_document_attention(q, k, v, documents, scale=scale))
         mask = document_mask(documents)[:, None]
-        return AttnOut(F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]))
+        return AttnOut(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        )
 
     def _use_flash_attn(self, q: Tensor, cache: KVCache | None) -> bool:
         if getattr(self.cfg, "backend", "auto") == "sdpa" or not _HAS_FLASH_ATTN or cache is not None:
@@ -81,7 +86,9 @@ class FullAttention(Attention):
         return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
 
 
-def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, *, scale: float, compiled: bool | None = None) -> Tensor:
+def flex_document_attention(
+    q: Tensor, k: Tensor, v: Tensor, documents: Tensor, *, scale: float, compiled: bool | None = None
+) -> Tensor:
     """FlexAttention with a causal, same-document block mask (compiled on CUDA, eager elsewhere)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
@@ -90,10 +97,14 @@ def flex_document_attention(q: Tensor, k: Tensor, v: Tensor, documents: Tensor, 
 
     b, _, t, _ = q.shape
     block_mask = create_block_mask(same_document, B=b, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
-    return flex_attention_fn(q.is_cuda if compiled is None else compiled)(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return flex_attention_fn(q.is_cuda if compiled is None else compiled)(
+        q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
-def sdpa_causal(q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, scale: float, flash: bool = False) -> Tensor:
+def sdpa_causal(
+    q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, scale: float, flash: bool = False
+) -> Tensor:
     """Causal attention through flash-attn or SDPA, exact for training, prefill, chunked prefill and decode."""
     if flash:
         from flash_attn import flash_attn_func

@@ -81,7 +81,18 @@ def _gather_tokens(x: Tensor, index: Tensor) -> Tensor:
     return x[:, None].expand(b, k, h, x.shape[2], d).gather(3, idx)
 
 
-def hard_attention(q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, q_pos: Tensor, window: int, scale: float, n_groups: int) -> Tensor:
+def hard_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bits_q: Tensor,
+    bits_k: Tensor,
+    q_pos: Tensor,
+    window: int,
+    scale: float,
+    n_groups: int,
+) -> Tensor:
     """Exact hard-membership attention by the disjoint decomposition.
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] with key j at position j (a training sequence or a KV
@@ -99,9 +110,15 @@ def hard_attention(q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: T
     qg, kg, vg = _gather_tokens(q, qi), _gather_tokens(k, ki), _gather_tokens(v, ki)
     qpos_g, kpos_g = q_pos[qi], k_pos[ki]  # [B, K, L]
     qbits_g, kbits_g = bits_q.gather(1, qi.flatten(1)).view_as(qi), bits_k.gather(1, ki.flatten(1)).view_as(ki)
-    lower = (torch.bitwise_left_shift(torch.ones(n_groups, dtype=torch.int64, device=q.device), torch.arange(n_groups, device=q.device)) - 1)[None, :, None, None]
+    lower = (
+        torch.bitwise_left_shift(
+            torch.ones(n_groups, dtype=torch.int64, device=q.device), torch.arange(n_groups, device=q.device)
+        )
+        - 1
+    )[None, :, None, None]
     mask = (
-        q_valid[..., :, None] & k_valid[..., None, :]
+        q_valid[..., :, None]
+        & k_valid[..., None, :]
         & (kpos_g[..., None, :] <= qpos_g[..., :, None])
         & ((qbits_g[..., :, None] & kbits_g[..., None, :] & lower) == 0)
     )
@@ -110,8 +127,18 @@ def hard_attention(q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: T
     lq = qi.shape[2]
     slot = (torch.cumsum(q_member.long(), dim=1) - 1).clamp(min=0)  # [B, Tq, K]
     flat = (slot + torch.arange(n_groups, device=q.device) * lq).view(b, 1, tq * n_groups)
-    o_a = og.transpose(1, 2).reshape(b, h, n_groups * lq, d).gather(2, flat[..., None].expand(b, h, tq * n_groups, d)).view(b, h, tq, n_groups, d)
-    lse_a = lseg.transpose(1, 2).reshape(b, h, n_groups * lq).gather(2, flat.expand(b, h, tq * n_groups)).view(b, h, tq, n_groups)
+    o_a = (
+        og.transpose(1, 2)
+        .reshape(b, h, n_groups * lq, d)
+        .gather(2, flat[..., None].expand(b, h, tq * n_groups, d))
+        .view(b, h, tq, n_groups, d)
+    )
+    lse_a = (
+        lseg.transpose(1, 2)
+        .reshape(b, h, n_groups * lq)
+        .gather(2, flat.expand(b, h, tq * n_groups))
+        .view(b, h, tq, n_groups)
+    )
     lse_a = lse_a.masked_fill(~q_member[:, None], float("-inf"))
 
     # ---- set B: inside the window, no shared group ----

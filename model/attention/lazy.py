@@ -75,7 +75,9 @@ class LazyAttention(Attention):
     def weights(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """Elastic-Softmax weights [B, H, Tq, Tk], dense."""
         mask = ref.causal_mask(q_pos, k_pos)
-        s = ref.scores(q, k, 1.0 / math.sqrt(self.spec.head_dim)) - self.bias(q_pos, k_pos).to(torch.promote_types(q.dtype, torch.float32))
+        s = ref.scores(q, k, 1.0 / math.sqrt(self.spec.head_dim)) - self.bias(q_pos, k_pos).to(
+            torch.promote_types(q.dtype, torch.float32)
+        )
         p = ref.masked_softmax(s, mask)
         n = (q_pos + 1).to(p.dtype)  # keys attended by each query
         a = torch.relu(p - self.tau.to(p.dtype)[None, :, None, None] / n[None, None, :, None])
@@ -106,7 +108,12 @@ class LazyAttention(Attention):
             return kv <= q_pos[qi]
 
         block_mask = create_block_mask(causal, None, None, tq, tk, device=q.device)
-        kwargs = dict(block_mask=block_mask, scale=1.0 / math.sqrt(self.spec.head_dim), enable_gqa=k.shape[1] != q.shape[1], return_lse=True)
+        kwargs = dict(
+            block_mask=block_mask,
+            scale=1.0 / math.sqrt(self.spec.head_dim),
+            enable_gqa=k.shape[1] != q.shape[1],
+            return_lse=True,
+        )
         _, lse = flex(q, k, v, score_mod=biased, **kwargs)
 
         def elastic(score, b, h, qi, kv):

@@ -170,7 +170,11 @@ class PrescoredHyperAttention(Attention):
         small = dict(block_size=4, min_seq_len=4, lsh_bits=3)
         return [
             SuiteCase("exact", dict(top_k=4096, sample_size=4096, **small)),
-            SuiteCase("kmeans", dict(scoring="kmeans", top_k=16, min_keys=4, sample_size=3, n_clusters=3, kmeans_iters=3, **small), causal=False),
+            SuiteCase(
+                "kmeans",
+                dict(scoring="kmeans", top_k=16, min_keys=4, sample_size=3, n_clusters=3, kmeans_iters=3, **small),
+                causal=False,
+            ),
             SuiteCase("leverage", dict(scoring="leverage", top_k=12, min_keys=4, sample_size=2, **small), causal=False),
         ]
 
@@ -232,7 +236,9 @@ class PrescoredHyperAttention(Attention):
         nq = qe - qs
         nb = -(-nq // self.cfg.block_size)
         qorder = torch.argsort(qrank[:, :, qs:qe], dim=-1, stable=True)
-        qblock = torch.empty_like(qorder).scatter_(-1, qorder, (torch.arange(nq, device=dev) // self.cfg.block_size).expand(b, hq, nq))
+        qblock = torch.empty_like(qorder).scatter_(
+            -1, qorder, (torch.arange(nq, device=dev) // self.cfg.block_size).expand(b, hq, nq)
+        )
         big = torch.iinfo(torch.long).max
         korder = torch.argsort(torch.where(kvalid, krank.gather(-1, kidx), big), dim=-1, stable=True)
         kslot = torch.empty_like(korder).scatter_(-1, korder, torch.arange(nk, device=dev).expand_as(korder))
@@ -247,7 +253,21 @@ class PrescoredHyperAttention(Attention):
         svalid = valid_h.gather(-1, samples)
         nv_h = nv.repeat_interleave(rep, dim=1).to(torch.float64)
         s_eff = nv_h.clamp(max=self.cfg.sample_size).clamp(min=1)
-        return HyperPiece(qs, qe, kidx, kvalid, qblock, qorder, kblock, korder, kstart, nb, samples, svalid, torch.log(nv_h.clamp(min=1) / s_eff))
+        return HyperPiece(
+            qs,
+            qe,
+            kidx,
+            kvalid,
+            qblock,
+            qorder,
+            kblock,
+            korder,
+            kstart,
+            nb,
+            samples,
+            svalid,
+            torch.log(nv_h.clamp(min=1) / s_eff),
+        )
 
     # ---- reference: the plan as one dense weighted softmax -------------------------------
     def log_weights(self, pieces, b: int, hq: int, tq: int, tk: int, q_pos: Tensor, device) -> Tensor:
@@ -257,13 +277,17 @@ class PrescoredHyperAttention(Attention):
             rows = slice(piece.qs, piece.qe)
             if isinstance(piece, ExactPiece):
                 keys = torch.arange(piece.klo, piece.khi, device=device)
-                lw[:, :, rows, piece.klo : piece.khi] = torch.where(ref.causal_mask(q_pos[rows].to(device), keys), 0.0, -math.inf)
+                lw[:, :, rows, piece.klo : piece.khi] = torch.where(
+                    ref.causal_mask(q_pos[rows].to(device), keys), 0.0, -math.inf
+                )
                 continue
             rep = hq // piece.kidx.shape[1]
             kblock = piece.kblock.repeat_interleave(rep, dim=1)
             in_block = (piece.qblock[..., :, None] == kblock[..., None, :]) & (kblock[..., None, :] >= 0)
             sampled = torch.zeros_like(kblock, dtype=torch.bool).scatter_(-1, piece.samples, piece.svalid)
-            part = torch.where(in_block, 0.0, torch.where(sampled[..., None, :], piece.log_w[..., None, None], -math.inf))
+            part = torch.where(
+                in_block, 0.0, torch.where(sampled[..., None, :], piece.log_w[..., None, None], -math.inf)
+            )
             full = torch.full((b, hq, piece.qe - piece.qs, tk), -math.inf, dtype=torch.float64, device=device)
             idx = piece.kidx.repeat_interleave(rep, dim=1)[..., None, :].expand_as(part)
             full.scatter_reduce_(-1, idx, part, reduce="amax")  # padded slots hold -inf: no effect
@@ -276,7 +300,11 @@ class PrescoredHyperAttention(Attention):
         lw = self.log_weights(pieces, b, hq, tq, k.shape[2], q_pos, q.device)
         s = ref.scores(q, k, self.scale)
         p = ref.masked_softmax(s + lw.to(s.dtype), torch.isfinite(lw))
-        stats = {"key_ratio": (torch.isfinite(lw).sum(-1).double() / (q_pos + 1).to(q.device)).mean()} if self.collect_stats else {}
+        stats = (
+            {"key_ratio": (torch.isfinite(lw).sum(-1).double() / (q_pos + 1).to(q.device)).mean()}
+            if self.collect_stats
+            else {}
+        )
         return AttnOut(ref.weighted_values(p, v, q.dtype), stats=stats)
 
     # ---- fast: block by block, logsumexp merges -----------------------------------------
@@ -292,7 +320,13 @@ class PrescoredHyperAttention(Attention):
         outs, lses = [], []  # per piece, merged per query row below (no in-place writes: autograd)
         for piece in pieces:
             if isinstance(piece, ExactPiece):
-                o, l_ = self._exact(q[:, :, piece.qs : piece.qe], k[:, :, piece.klo : piece.khi], v[:, :, piece.klo : piece.khi], q_pos[piece.qs : piece.qe], piece.klo)
+                o, l_ = self._exact(
+                    q[:, :, piece.qs : piece.qe],
+                    k[:, :, piece.klo : piece.khi],
+                    v[:, :, piece.klo : piece.khi],
+                    q_pos[piece.qs : piece.qe],
+                    piece.klo,
+                )
             else:
                 o, l_ = self._hyper(q, k, v, piece)
             outs.append((piece.qs, piece.qe, o))
@@ -342,7 +376,9 @@ class PrescoredHyperAttention(Attention):
         slot = piece.kstart[..., :-1, None] + torch.arange(width, device=q.device)  # [B, Hkv, nb, w]
         bvalid = slot < piece.kstart[..., 1:, None]
         nk = piece.kidx.shape[-1]
-        pos = piece.kidx.gather(-1, piece.korder.gather(-1, slot.clamp(max=max(nk - 1, 0)).reshape(b, hkv, -1))).reshape(slot.shape)
+        pos = piece.kidx.gather(
+            -1, piece.korder.gather(-1, slot.clamp(max=max(nk - 1, 0)).reshape(b, hkv, -1))
+        ).reshape(slot.shape)
         kb = ref.take_rows(k, pos).repeat_interleave(rep, dim=1).to(dt)  # [B, H, nb, w, D]
         vb = ref.take_rows(v, pos).repeat_interleave(rep, dim=1).to(dt)
         s = torch.einsum("bhnqd,bhnwd->bhnqw", qsorted, kb) * self.scale
@@ -365,4 +401,3 @@ class PrescoredHyperAttention(Attention):
         lse = torch.logaddexp(lb, lr)
         o = ob * torch.exp(lb - lse)[..., None] + orr * torch.exp(lr - lse)[..., None]
         return o, lse
-

@@ -34,7 +34,9 @@ def dga(**options):
 
 def full_attention(q, k, v):
     pos = torch.arange(q.shape[2])
-    return ref.weighted_values(ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), ref.causal_mask(pos, pos)), v, q.dtype)
+    return ref.weighted_values(
+        ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), ref.causal_mask(pos, pos)), v, q.dtype
+    )
 
 
 def run(module, q, k, v, hidden, impl):
@@ -75,7 +77,9 @@ def _sequence_algorithm2(t, focal, groups):
     complementary mask expanded to raw non-focal columns."""
     m0 = torch.tril(torch.ones(t, t, dtype=torch.long))
     nonfocal = [p for g in groups for p in g]
-    mn = torch.tensor([[int(all(p <= i for p in g)) for g in groups] for i in range(t)], dtype=torch.long).reshape(t, len(groups))
+    mn = torch.tensor([[int(all(p <= i for p in g)) for g in groups] for i in range(t)], dtype=torch.long).reshape(
+        t, len(groups)
+    )
     m = len(groups[0]) if groups else 1
     phi = m0[:, nonfocal] - mn.repeat_interleave(m, dim=1)
     comp = torch.zeros(t, t, dtype=torch.long)
@@ -101,7 +105,9 @@ def test_sequence_mask_equals_algorithm_2(t, m, gamma):
             focal = comp.focal_pos[b, h, 0].tolist()
             groups = comp.members[b, h, 0].tolist()
             assert sorted(focal + [p for g in groups for p in g]) == list(range(t))
-            assert all(g == sorted(g) for g in groups) and [p for g in groups for p in g] == sorted(p for g in groups for p in g)
+            assert all(g == sorted(g) for g in groups) and [p for g in groups for p in g] == sorted(
+                p for g in groups for p in g
+            )
             m0_foc, mn, comp_mask = _sequence_algorithm2(t, focal, groups)
             nonfocal = [p for g in groups for p in g]
             assert torch.equal(raw[b, h][:, focal].long(), m0_foc)
@@ -109,7 +115,9 @@ def test_sequence_mask_equals_algorithm_2(t, m, gamma):
             assert torch.equal(raw[b, h][:, nonfocal].long(), comp_mask)
 
 
-@pytest.mark.parametrize("selection,c,m,gamma,t", [("causal", 8, 2, 0.2, 37), ("causal", 7, 3, 0.15, 30), ("sequence", 8, 2, 0.2, 23)])
+@pytest.mark.parametrize(
+    "selection,c,m,gamma,t", [("causal", 8, 2, 0.2, 37), ("causal", 7, 3, 0.15, 30), ("sequence", 8, 2, 0.2, 23)]
+)
 def test_every_past_token_is_represented_exactly_once(selection, c, m, gamma, t):
     """Brute force over (query, key): each key at or before the query is seen exactly once, raw or
     inside one visible aggregate, and no visible aggregate holds a token after the query."""
@@ -176,9 +184,22 @@ def test_causal_grouped_cache_decode_equals_the_uncached_forward_and_is_smaller(
     q, k, v, hidden = inputs(t=60)
     full = run(module, q, k, v, hidden, "auto").output
     cache = KVCache(2, 2, 8, 60, dtype=torch.float64, device="cpu")
-    outs = [module(q[:, :, :13], k[:, :, :13], v[:, :, :13], hidden=hidden[:, :13], positions=torch.arange(13), cache=cache).output]
+    outs = [
+        module(
+            q[:, :, :13], k[:, :, :13], v[:, :, :13], hidden=hidden[:, :13], positions=torch.arange(13), cache=cache
+        ).output
+    ]
     for t in range(13, 60):
-        outs.append(module(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], hidden=hidden[:, t : t + 1], positions=torch.arange(t, t + 1), cache=cache).output)
+        outs.append(
+            module(
+                q[:, :, t : t + 1],
+                k[:, :, t : t + 1],
+                v[:, :, t : t + 1],
+                hidden=hidden[:, t : t + 1],
+                positions=torch.arange(t, t + 1),
+                cache=cache,
+            ).output
+        )
     torch.testing.assert_close(torch.cat(outs, 2), full, atol=1e-12, rtol=1e-10)
     size = module.cache_size(cache)
     # 60 tokens: chunks 0..5 folded for the next query (position 60, chunk 7): 6 * (2 focal + 3 groups)
@@ -226,11 +247,32 @@ def test_sequence_grouped_cache_decode_equals_prefill_then_decode_reference(m, f
     prompt, total = 15, 40
     q, k, v, hidden = inputs(t=total, seed=m)
     cache = KVCache(2, 2, 8, total, dtype=torch.float64, device="cpu")
-    pre = module(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], hidden=hidden[:, :prompt], positions=torch.arange(prompt), cache=cache).output
-    torch.testing.assert_close(pre, run(module, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], hidden[:, :prompt], "reference").output, atol=1e-12, rtol=1e-10)
+    pre = module(
+        q[:, :, :prompt],
+        k[:, :, :prompt],
+        v[:, :, :prompt],
+        hidden=hidden[:, :prompt],
+        positions=torch.arange(prompt),
+        cache=cache,
+    ).output
+    torch.testing.assert_close(
+        pre,
+        run(module, q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], hidden[:, :prompt], "reference").output,
+        atol=1e-12,
+        rtol=1e-10,
+    )
     outs = []
     for t in range(prompt, total):
-        outs.append(module(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], hidden=hidden[:, t : t + 1], positions=torch.arange(t, t + 1), cache=cache).output)
+        outs.append(
+            module(
+                q[:, :, t : t + 1],
+                k[:, :, t : t + 1],
+                v[:, :, t : t + 1],
+                hidden=hidden[:, t : t + 1],
+                positions=torch.arange(t, t + 1),
+                cache=cache,
+            ).output
+        )
     expected, folds = paper_decode_reference(module, q, k, v, prompt)
     assert folds >= 3
     torch.testing.assert_close(torch.cat(outs, 2), expected, atol=1e-12, rtol=1e-10)

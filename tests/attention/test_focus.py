@@ -70,7 +70,9 @@ def _bits(kind: str, b: int, t: int, n_groups: int, top_k: int, g: torch.Generat
     if kind == "balanced":  # every group the same size (up to one token): a permutation of round-robin groups
         base = torch.arange(t) % n_groups
         groups = torch.stack([base[torch.randperm(t, generator=g)] for _ in range(b)])
-        scores = torch.nn.functional.one_hot(groups, n_groups).double() * 10 + torch.rand(b, t, n_groups, generator=g, dtype=torch.float64)
+        scores = torch.nn.functional.one_hot(groups, n_groups).double() * 10 + torch.rand(
+            b, t, n_groups, generator=g, dtype=torch.float64
+        )
     else:  # skewed: group 0 takes most tokens, the last group almost none
         skew = torch.linspace(3.0, -3.0, n_groups, dtype=torch.float64)
         scores = skew + torch.randn(b, t, n_groups, generator=g, dtype=torch.float64)
@@ -91,9 +93,13 @@ def test_hard_decomposition_equals_dense_masked_reference_float32(n_groups, kind
         q = q * 2.0  # sharper patterns
         pos = torch.arange(t)
         for window in (1, 16):
-            fast = hard_attention(q, k, v, bits_q=bits, bits_k=bits, q_pos=pos, window=window, scale=1 / math.sqrt(8), n_groups=n_groups)
+            fast = hard_attention(
+                q, k, v, bits_q=bits, bits_k=bits, q_pos=pos, window=window, scale=1 / math.sqrt(8), n_groups=n_groups
+            )
             mask = hard_mask(bits, bits, pos, pos, window)
-            dense = ref.weighted_values(ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), mask[:, None]), v, torch.float32)
+            dense = ref.weighted_values(
+                ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), mask[:, None]), v, torch.float32
+            )
             cos = torch.nn.functional.cosine_similarity(fast.flatten(), dense.flatten(), dim=0)
             assert f"{cos.item():.4f}" == "1.0000" and (fast - dense).abs().max() <= 1e-5, (top_k, window, cos.item())
             if top_k == n_groups:
@@ -105,9 +111,21 @@ def test_hard_decomposition_for_decode_and_chunks():
     bits = _bits("unbalanced", b, t, n_groups, 2, torch.Generator().manual_seed(1))
     q, k, v, _ = qkv(b, t)
     pos = torch.arange(t)
-    dense = ref.weighted_values(ref.masked_softmax(ref.scores(q, k, 0.3), hard_mask(bits, bits, pos, pos, 5)[:, None]), v, q.dtype)
+    dense = ref.weighted_values(
+        ref.masked_softmax(ref.scores(q, k, 0.3), hard_mask(bits, bits, pos, pos, 5)[:, None]), v, q.dtype
+    )
     for lo, hi in ((39, 40), (20, 33), (0, 7)):
-        part = hard_attention(q[:, :, lo:hi], k[:, :, :hi], v[:, :, :hi], bits_q=bits[:, lo:hi], bits_k=bits[:, :hi], q_pos=pos[lo:hi], window=5, scale=0.3, n_groups=n_groups)
+        part = hard_attention(
+            q[:, :, lo:hi],
+            k[:, :, :hi],
+            v[:, :, :hi],
+            bits_q=bits[:, lo:hi],
+            bits_k=bits[:, :hi],
+            q_pos=pos[lo:hi],
+            window=5,
+            scale=0.3,
+            n_groups=n_groups,
+        )
         torch.testing.assert_close(part, dense[:, :, lo:hi], atol=1e-13, rtol=0)
 
 
@@ -151,9 +169,14 @@ def test_soft_gate_values():
     assert distant.tolist()[3] == [True, False, False, False]
     torch.testing.assert_close(gate[0, 2, 0], torch.nn.functional.logsigmoid(torch.tensor(2.5, dtype=torch.float64)))
     torch.testing.assert_close(gate[0, 1, 0], torch.nn.functional.logsigmoid(torch.tensor(-2.5, dtype=torch.float64)))
-    torch.testing.assert_close(gate[0, 3, 0], torch.tensor(0.0, dtype=torch.float64) + torch.nn.functional.logsigmoid(torch.tensor(0.0, dtype=torch.float64)))
+    torch.testing.assert_close(
+        gate[0, 3, 0],
+        torch.tensor(0.0, dtype=torch.float64) + torch.nn.functional.logsigmoid(torch.tensor(0.0, dtype=torch.float64)),
+    )
     mult = build_attention("focus", FocusConfig(window=3, lambda_init=5.0, gate="multiplicative"), SPEC).double()
-    torch.testing.assert_close(mult.gate_logits(g, g, pos, pos)[0][0, 2, 0], torch.sigmoid(torch.tensor(5.0, dtype=torch.float64)))
+    torch.testing.assert_close(
+        mult.gate_logits(g, g, pos, pos)[0][0, 2, 0], torch.sigmoid(torch.tensor(5.0, dtype=torch.float64))
+    )
 
 
 @pytest.mark.parametrize("gate", ["additive", "multiplicative"])
@@ -172,7 +195,11 @@ def test_soft_flex_score_mod_equals_the_reference_forward(gate, q_range):
             fast = module.soft_flex(q[:, :, lo:hi] * 2, k, v, g_all[:, lo:hi], g_all, q_pos)
         s = ref.scores(q[:, :, lo:hi] * 2, k, 1 / math.sqrt(8))
         gates, distant = module.gate_logits(g_all[:, lo:hi], g_all, q_pos, k_pos)
-        s = s + torch.where(distant, gates, 0.0)[:, None] if gate == "additive" else torch.where(distant, s * gates[:, None], s)
+        s = (
+            s + torch.where(distant, gates, 0.0)[:, None]
+            if gate == "additive"
+            else torch.where(distant, s * gates[:, None], s)
+        )
         dense = ref.weighted_values(ref.masked_softmax(s, ref.causal_mask(q_pos, k_pos)), v, q.dtype)
     torch.testing.assert_close(fast, dense, atol=1e-12, rtol=1e-10)
 
@@ -225,7 +252,9 @@ def test_entropy_penalty_only_while_centroids_train():
 
 
 def test_lambda_schedule():
-    cfg = FocusConfig(lambda_schedule="linear", lambda_learnable=False, lambda_init=2.0, lambda_end=12.0, lambda_warmup=0.5)
+    cfg = FocusConfig(
+        lambda_schedule="linear", lambda_learnable=False, lambda_init=2.0, lambda_end=12.0, lambda_warmup=0.5
+    )
     assert [lambda_at(cfg, s, 100) for s in (0, 25, 50, 90)] == [2.0, 7.0, 12.0, 12.0]
     cos = FocusConfig(lambda_schedule="cosine", lambda_learnable=False)
     assert lambda_at(cos, 25, 100) == pytest.approx(7.0) and lambda_at(cos, 10, 100) < 7.0 - 1
@@ -241,5 +270,7 @@ def test_bad_focus_options():
         FocusConfig(lambda_schedule="linear").validate()
     with pytest.raises(ConfigError, match=r"model.attention.focus.top_k: must be in \[1, 4\], got 5"):
         FocusConfig(top_k=5).validate()
-    with pytest.raises(ConfigError, match="model.attention.focus.sinkhorn_scope: 'global' is not one of prefix, sequence"):
+    with pytest.raises(
+        ConfigError, match="model.attention.focus.sinkhorn_scope: 'global' is not one of prefix, sequence"
+    ):
         FocusConfig(sinkhorn_scope="global").validate()

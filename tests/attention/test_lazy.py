@@ -64,7 +64,9 @@ def test_tau_gradient_matches_finite_differences():
     f(tau0).backward()
     analytic = module.tau.grad.clone()
     eps = 1e-6
-    numeric = torch.stack([(f(tau0 + eps * e) - f(tau0 - eps * e)) / (2 * eps) for e in torch.eye(4, dtype=torch.float64)])
+    numeric = torch.stack(
+        [(f(tau0 + eps * e) - f(tau0 - eps * e)) / (2 * eps) for e in torch.eye(4, dtype=torch.float64)]
+    )
     torch.testing.assert_close(analytic, numeric.detach(), atol=1e-6, rtol=1e-5)
     assert analytic.abs().min() > 0
 

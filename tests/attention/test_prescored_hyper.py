@@ -10,7 +10,13 @@ import torch
 
 from model.attention import KVCache, LayerSpec, build_attention
 from model.attention import reference as ref
-from model.attention.prescored_hyper import ExactPiece, HyperPiece, PrescoredHyperConfig, cluster_scores, leverage_scores
+from model.attention.prescored_hyper import (
+    ExactPiece,
+    HyperPiece,
+    PrescoredHyperConfig,
+    cluster_scores,
+    leverage_scores,
+)
 from model.errors import ConfigError
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
@@ -33,7 +39,9 @@ def module(**options):
 def exact_attention(q, k, v, q_pos=None):
     k_pos = torch.arange(k.shape[2])
     q_pos = k_pos[-q.shape[2] :] if q_pos is None else q_pos
-    return ref.weighted_values(ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), ref.causal_mask(q_pos, k_pos)), v, q.dtype)
+    return ref.weighted_values(
+        ref.masked_softmax(ref.scores(q, k, 1 / math.sqrt(8)), ref.causal_mask(q_pos, k_pos)), v, q.dtype
+    )
 
 
 def rel_error(a, b):
@@ -46,7 +54,9 @@ def test_error_falls_to_float_tolerance_as_kept_keys_and_samples_reach_all_keys(
     exact = exact_attention(q, k, v)
     errors = []
     for top_k, samples in [(16, 4), (32, 8), (64, 16), (96, 32), (128, 128)]:
-        out = module(scoring=scoring, top_k=top_k, sample_size=samples)(q, k, v, hidden=None, positions=torch.arange(128)).output
+        out = module(scoring=scoring, top_k=top_k, sample_size=samples)(
+            q, k, v, hidden=None, positions=torch.arange(128)
+        ).output
         errors.append(rel_error(out, exact))
     assert errors[0] > 0.1, "the coarsest setting should be visibly approximate"
     assert all(b < a for a, b in zip(errors, errors[1:])), errors
@@ -76,7 +86,11 @@ def test_fast_path_equals_the_dense_weighted_softmax_for_a_cached_past():
     outs = []
     for impl in ("reference", "auto"):
         m.impl = impl
-        out = m.fast(qc, k, v, hidden=None, q_pos=q_pos, k_pos=torch.arange(100), cache=None) if impl == "auto" else m.reference(qc, k, v, hidden=None, q_pos=q_pos, k_pos=torch.arange(100), cache=None)
+        out = (
+            m.fast(qc, k, v, hidden=None, q_pos=q_pos, k_pos=torch.arange(100), cache=None)
+            if impl == "auto"
+            else m.reference(qc, k, v, hidden=None, q_pos=q_pos, k_pos=torch.arange(100), cache=None)
+        )
         outs.append((out.output, torch.autograd.grad(out.output.square().sum(), (q, k, v))))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-12, rtol=1e-10)
     for a, b in zip(outs[1][1], outs[0][1]):
@@ -108,7 +122,9 @@ def planted_keys(n=512, d=16, groups=4, per=8, sigma=0.05, seed=0):
     perm = torch.randperm(n, generator=g)
     heavy = perm[: groups * per]
     for i in range(groups):
-        rows[heavy[i * per : (i + 1) * per]] = basis[:, i] + sigma * torch.randn(per, d, generator=g, dtype=torch.float64)
+        rows[heavy[i * per : (i + 1) * per]] = basis[:, i] + sigma * torch.randn(
+            per, d, generator=g, dtype=torch.float64
+        )
     noise = perm[groups * per :]
     rows[noise] = torch.randn(len(noise), d - groups, generator=g, dtype=torch.float64) @ basis[:, groups:].T
     return torch.nn.functional.normalize(rows, dim=-1), heavy
@@ -145,7 +161,9 @@ def test_clustering_is_independent_per_batch_row_and_head():
         batched = cluster_scores(k, 5, 6, median=median)
         for b in range(2):
             for h in range(3):
-                torch.testing.assert_close(batched[b, h], cluster_scores(k[b : b + 1, h : h + 1], 5, 6, median=median)[0, 0])
+                torch.testing.assert_close(
+                    batched[b, h], cluster_scores(k[b : b + 1, h : h + 1], 5, 6, median=median)[0, 0]
+                )
 
 
 def test_too_few_survivors_fall_back_to_plain_hyperattention():

@@ -17,7 +17,11 @@ from model.attention import LayerSpec, build_attention, registry
 from model.config import ModelConfig
 from model.transformer import Transformer
 
-CASES = [pytest.param(name, case, id=f"{name}-{case.name}") for name, entry in sorted(registry.items()) for case in entry.cls.suite_cases()]
+CASES = [
+    pytest.param(name, case, id=f"{name}-{case.name}")
+    for name, entry in sorted(registry.items())
+    for case in entry.cls.suite_cases()
+]
 
 
 def variant_config(name, case):
@@ -28,8 +32,18 @@ def variant_config(name, case):
 
 
 def tiny_model(name, case, *, family="llama", impl="auto", dtype=torch.float64, seed=0) -> Transformer:
-    cfg = ModelConfig(family=family, vocab_size=97, max_seq_len=64, d_model=48, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=96,
-                      bias=family == "gpt2", tie_embeddings=family == "gpt2")
+    cfg = ModelConfig(
+        family=family,
+        vocab_size=97,
+        max_seq_len=64,
+        d_model=48,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        d_ff=96,
+        bias=family == "gpt2",
+        tie_embeddings=family == "gpt2",
+    )
     cfg.attention.kind = name
     cfg.attention.options[name] = variant_config(name, case)
     cfg.attention.impl = impl
@@ -63,7 +77,9 @@ SPEC = LayerSpec(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=1
 # Fast paths that exist only on CUDA (FlexAttention has no CPU backward) are compared there, in
 # float32, when the machine has a GPU; on CPU everything runs in float64.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-DTYPE, TOL = (torch.float32, dict(atol=2e-5, rtol=1e-4)) if DEVICE == "cuda" else (torch.float64, dict(atol=1e-10, rtol=1e-8))
+DTYPE, TOL = (
+    (torch.float32, dict(atol=2e-5, rtol=1e-4)) if DEVICE == "cuda" else (torch.float64, dict(atol=1e-10, rtol=1e-8))
+)
 
 
 @pytest.mark.parametrize("name,case", CASES)
@@ -76,7 +92,9 @@ def test_fast_path_matches_reference(name, case):
             p.add_(0.3 * torch.randn(p.shape, generator=torch.Generator().manual_seed(seed), dtype=p.dtype).to(DEVICE))
     q, k, v, hidden = (x.to(DEVICE) for x in random_inputs(SPEC, 2, 37, DTYPE, seed))
     if not module.has_fast_path(q, None):
-        pytest.skip(f"{name}/{case.name}: no fast path on {q.device.type} (checked forward-only by the variant's own tests)")
+        pytest.skip(
+            f"{name}/{case.name}: no fast path on {q.device.type} (checked forward-only by the variant's own tests)"
+        )
     inputs = [x.clone().requires_grad_(True) for x in (q, k, v, hidden)]
     positions = torch.arange(37, device=DEVICE)
 
@@ -86,7 +104,9 @@ def test_fast_path_matches_reference(name, case):
             x.grad = None
         module.zero_grad(set_to_none=True)
         out = module(*inputs[:3], hidden=inputs[3], positions=positions)
-        loss = (out.output * torch.linspace(-1, 1, out.output.numel(), dtype=DTYPE, device=DEVICE).view_as(out.output)).sum()
+        loss = (
+            out.output * torch.linspace(-1, 1, out.output.numel(), dtype=DTYPE, device=DEVICE).view_as(out.output)
+        ).sum()
         if out.aux_loss is not None:
             loss = loss + out.aux_loss
         loss.backward()

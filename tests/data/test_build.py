@@ -15,7 +15,23 @@ from model.errors import ConfigError
 
 def write_corpus(folder, n_docs=6, words=600):
     rng = random.Random(0)
-    vocab = ["thou", "art", "the", "king", "of", "night", "and", "day", "sweet", "love", "hath", "not", "a", "word", "more"]
+    vocab = [
+        "thou",
+        "art",
+        "the",
+        "king",
+        "of",
+        "night",
+        "and",
+        "day",
+        "sweet",
+        "love",
+        "hath",
+        "not",
+        "a",
+        "word",
+        "more",
+    ]
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(n_docs):
         lines = [" ".join(rng.choice(vocab) for _ in range(12)) for _ in range(words // 12)]
@@ -94,9 +110,15 @@ def test_embedded_unigram_entropy_matches_a_hand_count(embedded_builds):
 
 def test_fingerprint_follows_seq_len_and_val_fraction(embedded_builds, cache_dir):
     a = embedded_builds[0]
-    other_len = build_corpus(DataConfig(seq_len=64, vocab_size=512, cache_dir=str(cache_dir)), vocab_size=512, log=lambda _: None)
+    other_len = build_corpus(
+        DataConfig(seq_len=64, vocab_size=512, cache_dir=str(cache_dir)), vocab_size=512, log=lambda _: None
+    )
     assert other_len.fingerprint != a.fingerprint and np.array_equal(other_len.train.tokens, a.train.tokens)
-    other_split = build_corpus(DataConfig(seq_len=128, vocab_size=512, val_fraction=0.2, cache_dir=str(cache_dir)), vocab_size=512, log=lambda _: None)
+    other_split = build_corpus(
+        DataConfig(seq_len=128, vocab_size=512, val_fraction=0.2, cache_dir=str(cache_dir)),
+        vocab_size=512,
+        log=lambda _: None,
+    )
     assert other_split.fingerprint != a.fingerprint and other_split.num_documents[1] > a.num_documents[1]
 
 
@@ -105,20 +127,33 @@ def test_small_local_corpus_and_tokenizer_limits(tmp_path):
     cfg = DataConfig(source="local", path=str(folder), seq_len=16, vocab_size=300, cache_dir=str(tmp_path / "cache"))
     corpus = build_corpus(cfg, vocab_size=320, log=lambda _: None)
     assert sum(corpus.num_documents) == 6 and corpus.num_documents[1] >= 1
-    with pytest.raises(ConfigError, match=r"^model\.vocab_size: 256 is smaller than the tokenizer's 300 tokens \(data\.vocab_size\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.vocab_size: 256 is smaller than the tokenizer's 300 tokens \(data\.vocab_size\)$"
+    ):
         build_corpus(cfg, vocab_size=256, log=lambda _: None)
     # A loaded tokenizer larger than the model's vocabulary names both fields.
     model = train_sentencepiece([(folder / "doc00.txt").read_text()], vocab_size=300, out_path=tmp_path / "t.model")
-    loaded = DataConfig(source="local", path=str(folder), seq_len=16, tokenizer=str(model), cache_dir=str(tmp_path / "cache"))
+    loaded = DataConfig(
+        source="local", path=str(folder), seq_len=16, tokenizer=str(model), cache_dir=str(tmp_path / "cache")
+    )
     with pytest.raises(ConfigError, match=r"^model\.vocab_size: 290 is smaller than the 300 tokens of data\.tokenizer"):
         build_corpus(loaded, vocab_size=290, log=lambda _: None)
-    assert build_corpus(loaded, vocab_size=300, log=lambda _: None).tokenizer.fingerprint != corpus.tokenizer.fingerprint
+    assert (
+        build_corpus(loaded, vocab_size=300, log=lambda _: None).tokenizer.fingerprint != corpus.tokenizer.fingerprint
+    )
 
 
 def test_a_single_document_holds_out_its_tail(tmp_path):
     folder = write_corpus(tmp_path / "one", n_docs=1, words=3000)
     logs: list[str] = []
-    cfg = DataConfig(source="local", path=str(folder / "doc00.txt"), seq_len=16, vocab_size=300, val_fraction=0.1, cache_dir=str(tmp_path / "c"))
+    cfg = DataConfig(
+        source="local",
+        path=str(folder / "doc00.txt"),
+        seq_len=16,
+        vocab_size=300,
+        val_fraction=0.1,
+        cache_dir=str(tmp_path / "c"),
+    )
     corpus = build_corpus(cfg, vocab_size=300, log=logs.append)
     assert corpus.num_documents == (1, 0)
     assert any("a single document" in line and "10%" in line for line in logs)
@@ -129,8 +164,13 @@ def test_a_single_document_holds_out_its_tail(tmp_path):
 def test_too_small_splits_name_the_fields(tmp_path):
     folder = write_corpus(tmp_path / "corpus")  # 5 training documents (~7.9k tokens), 1 validation (~1.7k)
     cfg = DataConfig(source="local", path=str(folder), seq_len=3000, vocab_size=300, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(ConfigError, match=r"^data\.val_fraction: the validation split has \d+ tokens, fewer than one sequence of data\.seq_len \+ 1 = 3001; "):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.val_fraction: the validation split has \d+ tokens, fewer than one sequence of data\.seq_len \+ 1 = 3001; ",
+    ):
         build_corpus(cfg, vocab_size=300, log=lambda _: None)
     cfg.seq_len = 20_000
-    with pytest.raises(ConfigError, match=r"^data\.seq_len: the training split has \d+ tokens, fewer than one sequence"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.seq_len: the training split has \d+ tokens, fewer than one sequence"
+    ):
         build_corpus(cfg, vocab_size=300, log=lambda _: None)

@@ -84,14 +84,22 @@ def test_resume_on_a_different_world_size():
 
 def test_resume_refuses_a_different_dataset():
     a = BatchLoader(dataset(), batch_size=6, micro_batch_size=3, seed=7)
-    with pytest.raises(ConfigError, match=r"^data\.seq_len: the training split has 41 sequences but the checkpoint's loader had 40"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.seq_len: the training split has 41 sequences but the checkpoint's loader had 40"
+    ):
         BatchLoader(dataset(n=41), batch_size=6, micro_batch_size=3, seed=7).load_state_dict(a.state_dict())
 
 
 def test_batch_divisibility_error_names_the_fields():
-    with pytest.raises(ConfigError, match=r"^train\.batch_size: 12 is not divisible by train\.micro_batch_size \(5\) x world size \(1\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.batch_size: 12 is not divisible by train\.micro_batch_size \(5\) x world size \(1\)$",
+    ):
         BatchLoader(dataset(), batch_size=12, micro_batch_size=5)
-    with pytest.raises(ConfigError, match=r"^train\.batch_size: 8 is not divisible by train\.micro_batch_size \(2\) x world size \(3\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^train\.batch_size: 8 is not divisible by train\.micro_batch_size \(2\) x world size \(3\)$",
+    ):
         BatchLoader(dataset(), batch_size=8, micro_batch_size=2, world_size=3)
     with pytest.raises(ConfigError, match=r"^train\.micro_batch_size: must be >= 1, got 0$"):
         BatchLoader(dataset(), batch_size=8, micro_batch_size=0)

@@ -82,12 +82,18 @@ def run_prepare(path, out, *, tokenizer=None, **options):
 @pytest.fixture(scope="module")
 def prepared(corpus, sp_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("prepared") / "shards"
-    return prepare(PrepareConfig(out=str(out), path=str(corpus), tokenizer=str(sp_path), shard_tokens=97), log=lambda line: None, progress=False)
+    return prepare(
+        PrepareConfig(out=str(out), path=str(corpus), tokenizer=str(sp_path), shard_tokens=97),
+        log=lambda line: None,
+        progress=False,
+    )
 
 
 def raw_stream(out: Path, index: dict, split: str) -> np.ndarray:
     files = [out / s["file"] for s in index["splits"][split]["shards"]]
-    return np.concatenate([np.fromfile(f, dtype=DTYPES[index["dtype"]]) for f in files] or [np.zeros(0, DTYPES[index["dtype"]])])
+    return np.concatenate(
+        [np.fromfile(f, dtype=DTYPES[index["dtype"]]) for f in files] or [np.zeros(0, DTYPES[index["dtype"]])]
+    )
 
 
 def test_folder_index_fields_and_streams(prepared, corpus, sp_path):
@@ -128,7 +134,9 @@ def test_jsonl_with_text_field(tmp_path, sp_path):
     splits = res.index["splits"]
     assert splits["train"]["documents"] + splits["val"]["documents"] == 6
     docs = list(iter_local(str(src), "body"))
-    assert [d.id for d in docs][:2] == ["data.jsonl:1", "data.jsonl:2"] and res.index["content_sha256"] == _content_hash(docs)
+    assert [d.id for d in docs][:2] == ["data.jsonl:1", "data.jsonl:2"] and res.index[
+        "content_sha256"
+    ] == _content_hash(docs)
     with pytest.raises(ConfigError, match="^data.text_field: "):
         run_prepare(src, tmp_path / "out2", tokenizer=load_tokenizer(sp_path))
 
@@ -170,7 +178,10 @@ def test_sequences_match_packed_dataset_across_shards(prepared, seq_len):
 def test_fingerprint_tracks_documents_and_tokenizer(tmp_path, corpus, sp_path, prepared):
     again = run_prepare(corpus, tmp_path / "again", tokenizer=load_tokenizer(sp_path), shard_tokens=10_000, workers=2)
     assert again.index["fingerprint"] == prepared.index["fingerprint"]  # shard size and workers do not matter
-    assert raw_stream(again.out, again.index, "train").tobytes() == raw_stream(prepared.out, prepared.index, "train").tobytes()
+    assert (
+        raw_stream(again.out, again.index, "train").tobytes()
+        == raw_stream(prepared.out, prepared.index, "train").tobytes()
+    )
     changed = write_corpus(tmp_path / "changed")
     (changed / "doc03.txt").write_text((changed / "doc03.txt").read_text() + "one more line\n")
     other_docs = run_prepare(changed, tmp_path / "o1", tokenizer=load_tokenizer(sp_path))
@@ -228,7 +239,12 @@ def test_refuses_to_overwrite_without_the_flag(tmp_path, corpus, sp_path):
         run_prepare(corpus, tmp_path / "out", tokenizer=tok)
     second = run_prepare(corpus, tmp_path / "out", tokenizer=tok, shard_tokens=100_000, overwrite=True)
     assert len(second.index["splits"]["train"]["shards"]) == 1 < len(first.index["splits"]["train"]["shards"])
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["index.json", "tokenizer.model", "train_00000.bin", "val_00000.bin"]
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == [
+        "index.json",
+        "tokenizer.model",
+        "train_00000.bin",
+        "val_00000.bin",
+    ]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
@@ -242,7 +258,9 @@ def test_damaged_directory_gives_one_line_errors(tmp_path, corpus, sp_path):
     shard.write_bytes(shard.read_bytes()[:-2])
     with pytest.raises(ConfigError) as err:
         open_prepared(res.out, 8)
-    assert str(err.value).startswith(f"data.path: shard {shard} holds 192 bytes but index.json says 97 uint16 tokens (194 bytes)")
+    assert str(err.value).startswith(
+        f"data.path: shard {shard} holds 192 bytes but index.json says 97 uint16 tokens (194 bytes)"
+    )
     assert "\n" not in str(err.value)
     shard.unlink()
     with pytest.raises(ConfigError, match=r"^data.path: shard .*train_00001.bin listed in index.json is missing"):
@@ -259,18 +277,30 @@ def test_damaged_directory_gives_one_line_errors(tmp_path, corpus, sp_path):
 
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run([sys.executable, "-m", "data.prepare", *args], cwd=REPO, capture_output=True, text=True, timeout=120, env=env, check=False)
+    return subprocess.run(
+        [sys.executable, "-m", "data.prepare", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def test_cli_end_to_end(tmp_path, corpus):
     out = tmp_path / "shards"
-    done = cli("--source", "local", "--path", str(corpus), "--out", str(out), "--vocab-size", "300", "--shard-tokens", "200")
+    done = cli(
+        "--source", "local", "--path", str(corpus), "--out", str(out), "--vocab-size", "300", "--shard-tokens", "200"
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith(f"prepared {out}: 9 documents") and done.stdout.count("\n") == 1
     train, val, index = open_prepared(out, 32)
     assert len(train) > 0 and len(val) > 0 and index["vocab_size"] == 300 and index["source"]["source"] == "local"
     again = cli("--path", str(corpus), "--out", str(out))
-    assert again.returncode == 2 and again.stderr.strip().splitlines() == [f"error: --out: {str(out)!r} already holds prepared shards; pass --overwrite to replace them"]
+    assert again.returncode == 2 and again.stderr.strip().splitlines() == [
+        f"error: --out: {str(out)!r} already holds prepared shards; pass --overwrite to replace them"
+    ]
 
 
 @pytest.mark.parametrize(
@@ -301,7 +331,9 @@ def test_memmap_path_resumes_exactly_on_two_ranks(prepared):
     train_set, _, _ = open_prepared(prepared.out, 8)
 
     def loaders():
-        return [BatchLoader(train_set, batch_size=8, micro_batch_size=2, rank=r, world_size=2, seed=5) for r in range(2)]
+        return [
+            BatchLoader(train_set, batch_size=8, micro_batch_size=2, rank=r, world_size=2, seed=5) for r in range(2)
+        ]
 
     def draw(ls, steps):
         return [torch.cat([torch.cat(ld.next_step()) for ld in ls]) for _ in range(steps)]

@@ -21,7 +21,9 @@ def test_bom_and_crlf_are_normalised(tmp_path):
 def test_jsonl_parquet_and_folders(tmp_path):
     sub = tmp_path / "corpus" / "part"
     sub.mkdir(parents=True)
-    (sub / "b.jsonl").write_text(json.dumps({"text": "one\r\n", "meta": 1}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    (sub / "b.jsonl").write_text(
+        json.dumps({"text": "one\r\n", "meta": 1}) + "\n\n" + json.dumps({"text": "two"}) + "\n"
+    )
     pq.write_table(pa.table({"text": ["three", None, "four"], "id": [1, 2, 3]}), sub / "c.parquet")
     (tmp_path / "corpus" / "a.txt").write_text("zero")
     (tmp_path / "corpus" / "ignored.md").write_text("not data")
@@ -43,9 +45,17 @@ def test_globs_resolve_sorted_with_ids_relative_to_the_fixed_prefix(tmp_path):
         (tmp_path / name).write_text('{"text": "t"}' if name.endswith("jsonl") else name)
     pattern = str(tmp_path / "**" / "*.txt")
     assert resolve_paths(pattern) == [tmp_path / "a/c.txt", tmp_path / "a/deep/d.txt", tmp_path / "z/b.txt"]
-    assert [d.id for d in iter_local(pattern)] == ["a/c.txt", "a/deep/d.txt", "z/b.txt"]  # not absolute: the split survives a move
+    assert [d.id for d in iter_local(pattern)] == [
+        "a/c.txt",
+        "a/deep/d.txt",
+        "z/b.txt",
+    ]  # not absolute: the split survives a move
     assert resolve_paths(str(tmp_path / "a" / "*")) == [tmp_path / "a/c.txt", tmp_path / "a/e.jsonl"]
-    assert resolve_paths(str(tmp_path / "a")) == [tmp_path / "a/c.txt", tmp_path / "a/deep/d.txt", tmp_path / "a/e.jsonl"]
+    assert resolve_paths(str(tmp_path / "a")) == [
+        tmp_path / "a/c.txt",
+        tmp_path / "a/deep/d.txt",
+        tmp_path / "a/e.jsonl",
+    ]
 
 
 def test_bad_paths_name_data_path(tmp_path):
@@ -65,7 +75,10 @@ def test_bad_paths_name_data_path(tmp_path):
 
 
 def test_other_config_checks():
-    with pytest.raises(ConfigError, match=r"^data\.source: 'hub' is not one of embedded, local, prepared, slimpajama, fineweb-edu, openwebtext, pg19, mixture$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.source: 'hub' is not one of embedded, local, prepared, slimpajama, fineweb-edu, openwebtext, pg19, mixture$",
+    ):
         DataConfig(source="hub").validate()
     with pytest.raises(ConfigError, match=r"^data\.seq_len: must be >= 1, got 0$"):
         DataConfig(seq_len=0).validate()
@@ -100,7 +113,9 @@ def test_malformed_parquet(tmp_path):
     with pytest.raises(ConfigError, match=r"^data\.text_field: .*a\.parquet has no column 'text' \(columns: body\)$"):
         list(iter_local(str(tmp_path / "a.parquet")))
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "a.parquet")
-    with pytest.raises(ConfigError, match=r"^data\.text_field: column 'text' of .*a\.parquet holds int64, not strings$"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.text_field: column 'text' of .*a\.parquet holds int64, not strings$"
+    ):
         list(iter_local(str(tmp_path / "a.parquet")))
     (tmp_path / "a.parquet").write_bytes(b"not parquet")
     with pytest.raises(ConfigError, match=r"^data\.path: .*a\.parquet is not a readable parquet file"):
@@ -127,6 +142,8 @@ def test_real_novels_with_bom_and_crlf(shared_data):
         assert raw.startswith(b"\xef\xbb\xbf") and b"\r\n" in raw
         assert "\r" not in doc.text and "\ufeff" not in doc.text
         assert doc.text == raw[3:].decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
-        assert doc.text.count("\n") == raw.count(b"\r\n") + raw.replace(b"\r\n", b"").count(b"\r") + raw.replace(b"\r\n", b"").count(b"\n")
+        assert doc.text.count("\n") == raw.count(b"\r\n") + raw.replace(b"\r\n", b"").count(b"\r") + raw.replace(
+            b"\r\n", b""
+        ).count(b"\n")
     jane = next(iter_local(str(folder / "Cbronte_Jane_1847.txt")))
     assert jane.text.startswith(" Jane Eyre\nby Charlotte Bronte\n")

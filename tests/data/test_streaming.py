@@ -153,7 +153,9 @@ def test_local_order_does_not_depend_on_the_world_size(tmp_path):
 
 @pytest.mark.parametrize("kind", ["local", "hub-shards"])
 def test_resume_gives_the_next_1000_sequences_2_ranks_x_2_workers(kind, tmp_path, fake_hub, monkeypatch):
-    monkeypatch.setattr(stream_sources, "READ_BATCH", 5)  # shards span several datasets reads: restores go through their states
+    monkeypatch.setattr(
+        stream_sources, "READ_BATCH", 5
+    )  # shards span several datasets reads: restores go through their states
     cfg, _ = source_config(kind, tmp_path, fake_hub, shuffle_window=8, seed=7, num_workers=2)
     tok, batch, steps = ByteTokenizer(), 8, 1000 // 8
     per_rank = []
@@ -201,7 +203,12 @@ def mixture_fixture(tmp_path) -> tuple[StreamConfig, str, str]:
     a, b = tmp_path / "a", tmp_path / "b.parquet"
     make_corpus(a, sizes=(20, 20), alphabet="abcdefghijklm")
     rng = np.random.default_rng(1)
-    pq.write_table(pa.table({"text": ["".join(rng.choice(list("nopqrstuvwxyz"), size=int(rng.integers(3, 60)))) for _ in range(25)]}), b)
+    pq.write_table(
+        pa.table(
+            {"text": ["".join(rng.choice(list("nopqrstuvwxyz"), size=int(rng.integers(3, 60)))) for _ in range(25)]}
+        ),
+        b,
+    )
     return StreamConfig(mixture={str(a): 0.7, str(b): 0.3}, shuffle_window=16, seed=11), str(a), str(b)
 
 
@@ -213,7 +220,12 @@ def test_mixture_follows_the_weights_and_the_seed(tmp_path):
     sigma = math.sqrt(n * p * (1 - p))  # binomial; 5 sigma: a false alarm ~ 1 in 1.7 million seeds
     assert abs(k - n * p) <= 5 * sigma, (k, n * p, sigma)
     again = [d.id for d, _ in zip(StreamDataset(cfg).documents(0, 1), range(300))]
-    other = [d.id for d, _ in zip(StreamDataset(StreamConfig(mixture=cfg.mixture, shuffle_window=16, seed=12)).documents(0, 1), range(300))]
+    other = [
+        d.id
+        for d, _ in zip(
+            StreamDataset(StreamConfig(mixture=cfg.mixture, shuffle_window=16, seed=12)).documents(0, 1), range(300)
+        )
+    ]
     assert again == [d.id for d in docs[:300]] and other != again
 
 
@@ -269,7 +281,9 @@ def test_resume_on_another_world_size_rederives_local_positions(tmp_path):
             seqs.append(next(it).tolist())
         progress[rank, w] = len(seqs)
         states.append(ds.state_dict())
-        for doc in consumed_docs(StreamDataset(cfg, rank=rank, world_size=2), w, 2, seqs[0] + [t for s in seqs[1:] for t in s[1:]]):
+        for doc in consumed_docs(
+            StreamDataset(cfg, rank=rank, world_size=2), w, 2, seqs[0] + [t for s in seqs[1:] for t in s[1:]]
+        ):
             before[doc.epoch].append(doc.id)
     assert before[1] and states[2]["streams"][0]["epoch"] == 1
     new = StreamDataset(cfg, tok, seq_len=T, rank=0, world_size=1, resume_from=[states[:2], states[2:]])
@@ -277,7 +291,9 @@ def test_resume_on_another_world_size_rederives_local_positions(tmp_path):
         after = [i for w in range(3) for i in epoch_ids(new, w, 3, epoch)]
         assert sorted(before[epoch] + after) == sorted(texts), f"epoch {epoch}"
     assert len({i for w in range(3) for i in epoch_ids(new, w, 3, 2)}) == len(texts)  # then whole epochs
-    assert token_counts(new.state_dict()) == token_counts(states) == {cfg.path: sum(progress.values()) * T}  # kept on worker 0
+    assert (
+        token_counts(new.state_dict()) == token_counts(states) == {cfg.path: sum(progress.values()) * T}
+    )  # kept on worker 0
     assert next(new.sequences(0, 3)).shape == (T + 1,)
 
 
@@ -289,7 +305,10 @@ def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path, f
     next(it)
     state = ds.state_dict()
     loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=2, rank=0, world_size=2, num_workers=0)
-    with pytest.raises(ConfigError, match=r"^data: the checkpoint's loader state is for loader workers \[0\] of 4, this rank runs \[0\] of 2 .*resume_from") as e:
+    with pytest.raises(
+        ConfigError,
+        match=r"^data: the checkpoint's loader state is for loader workers \[0\] of 4, this rank runs \[0\] of 2 .*resume_from",
+    ) as e:
         loader.load_state_dict({"x": state})
     assert "\n" not in str(e.value)
     others, iters = [], []  # 2 ranks x 2 workers, one sequence each
@@ -299,10 +318,15 @@ def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path, f
             iters.append(ds.sequences(w, 2))
             next(iters[-1])
             others.append(ds.state_dict())
-    with pytest.raises(ConfigError, match=r"^data: source 'slimpajama' streams from the hub, whose position cannot be re-derived.* = 4$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data: source 'slimpajama' streams from the hub, whose position cannot be re-derived.* = 4$",
+    ):
         build_stream_loader(cfg, tok, seq_len=T, batch_size=2, num_workers=3, resume_from=[others])
     # 2 ranks x 2 workers -> 4 ranks x 1 worker: the same 4 global workers, positions carry over exactly
-    same = build_stream_loader(cfg, tok, seq_len=T, batch_size=2, rank=1, world_size=4, num_workers=0, resume_from=[others])
+    same = build_stream_loader(
+        cfg, tok, seq_len=T, batch_size=2, rank=1, world_size=4, num_workers=0, resume_from=[others]
+    )
     assert torch.equal(next(iter(same)), torch.stack([next(iters[1]) for _ in range(2)]))
 
 
@@ -322,8 +346,16 @@ def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path, f
 def test_named_sources_call_load_dataset_streaming(name, config, split, want_name, tmp_path, fake_hub):
     calls, files = fake_hub
     hub = HUB_SOURCES[name]
-    rows = [{"text": f"{name} doc {i}\r\n", "meta": {"redpajama_set_name": "RedPajamaBook"}, "dump": "CC-MAIN-2024-10",
-             "short_book_title": "Emma", "url": "http://x"} for i in range(6)]
+    rows = [
+        {
+            "text": f"{name} doc {i}\r\n",
+            "meta": {"redpajama_set_name": "RedPajamaBook"},
+            "dump": "CC-MAIN-2024-10",
+            "short_book_title": "Emma",
+            "url": "http://x",
+        }
+        for i in range(6)
+    ]
     write_jsonl(tmp_path / "h.jsonl", rows)
     files[hub.path] = [str(tmp_path / "h.jsonl")]
     ds = StreamDataset(StreamConfig(source=name, config_name=config, split=split, shuffle_window=0))
@@ -336,15 +368,27 @@ def test_named_sources_call_load_dataset_streaming(name, config, split, want_nam
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"source": "slimpajamma"}, r"^data\.source: 'slimpajamma' is not one of slimpajama, fineweb-edu, openwebtext, pg19, local$"),
-        ({"source": "fineweb-edu", "config_name": "sample-1T"}, r"^data\.config_name: 'sample-1T' is not a config of fineweb-edu; one of sample-10BT, "),
+        (
+            {"source": "slimpajamma"},
+            r"^data\.source: 'slimpajamma' is not one of slimpajama, fineweb-edu, openwebtext, pg19, local$",
+        ),
+        (
+            {"source": "fineweb-edu", "config_name": "sample-1T"},
+            r"^data\.config_name: 'sample-1T' is not a config of fineweb-edu; one of sample-10BT, ",
+        ),
         ({"source": "openwebtext", "config_name": "en"}, r"^data\.config_name: openwebtext has no configs, got 'en'$"),
-        ({"source": "pg19", "split": "dev"}, r"^data\.split: 'dev' is not a split of pg19; one of train, validation, test$"),
+        (
+            {"source": "pg19", "split": "dev"},
+            r"^data\.split: 'dev' is not a split of pg19; one of train, validation, test$",
+        ),
         ({"source": "local"}, r"^data\.path: required with data\.source = 'local'"),
         ({"mixture": {"fineweb-edu:x": 1.0}}, r"^data\.mixture: 'x' is not a config of fineweb-edu; one of "),
         ({"mixture": {"nowhere/at/all": 1.0}}, r"^data\.mixture: 'nowhere/at/all' is neither a named source"),
         ({"mixture": {"pg19": 0.0}}, r"^data\.mixture: the weight of 'pg19' must be a finite number > 0, got 0\.0$"),
-        ({"source": "pg19", "shuffle_window": -1}, r"^data\.shuffle_window: must be >= 0 \(0 = no shuffling\), got -1$"),
+        (
+            {"source": "pg19", "shuffle_window": -1},
+            r"^data\.shuffle_window: must be >= 0 \(0 = no shuffling\), got -1$",
+        ),
         ({"source": "pg19", "seed": -3}, r"^data\.seed: must be >= 0, got -3$"),
     ],
 )
@@ -357,10 +401,15 @@ def test_bad_config_gives_one_line_errors(kwargs, message):
 def test_local_sources_need_one_file_type_and_the_text_field(tmp_path):
     write_jsonl(tmp_path / "mixed" / "a.jsonl", [{"text": "x"}])
     (tmp_path / "mixed" / "b.txt").write_text("y")
-    with pytest.raises(ConfigError, match=r"^data\.path: '.*mixed' mixes \.jsonl and \.txt files; a streamed source holds one file type"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.path: '.*mixed' mixes \.jsonl and \.txt files; a streamed source holds one file type",
+    ):
         StreamConfig(path=str(tmp_path / "mixed")).validate()
     write_jsonl(tmp_path / "body.jsonl", [{"body": "x"}])
-    with pytest.raises(ConfigError, match=r"^data\.text_field: source '.*body\.jsonl' has no field 'text' \(fields: body\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^data\.text_field: source '.*body\.jsonl' has no field 'text' \(fields: body\)$"
+    ):
         StreamDataset(StreamConfig(path=str(tmp_path / "body.jsonl")))
     doc = next(StreamDataset(StreamConfig(path=str(tmp_path / "body.jsonl"), text_field="body")).documents(0, 1))
     assert (doc.id, doc.text) == ("body.jsonl:0", "x")

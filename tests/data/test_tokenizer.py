@@ -102,6 +102,7 @@ def test_bad_tokenizer_files(tmp_path, name, content, message):
     with pytest.raises(ConfigError, match=message):
         load_tokenizer(tmp_path / name)
 
+
 def test_reference_tokenizers_from_local_files(shared_data, tmp_path):
     gpt2 = load_tokenizer(shared_data / "gpt2_bpe" / "gpt2_tokenizer.json")
     assert gpt2.encode("Hello world") == [15496, 995] and gpt2.eos_id == 50256 and gpt2.vocab_size == 50257
@@ -124,7 +125,10 @@ def test_hf_tokenizer_json_needs_an_eos(tmp_path):
         hf.save(str(tmp_path / name))
         return tmp_path / name
 
-    with pytest.raises(ConfigError, match=r"^data\.tokenizer: .*none\.json has none of the end-of-sequence tokens </s>, <\|endoftext\|>, <eos>"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data\.tokenizer: .*none\.json has none of the end-of-sequence tokens </s>, <\|endoftext\|>, <eos>",
+    ):
         load_tokenizer(write({"<unk>": 0, "a": 1}, "none.json"))
     tok = load_tokenizer(write({"<unk>": 0, "<s>": 1, "a": 2, "</s>": 3}, "ok.json"))
     assert (tok.eos_id, tok.bos_id, tok.vocab_size) == (3, 1, 4)
@@ -147,7 +151,14 @@ def test_llama2_sentencepiece_model(shared_data):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "data.tokenizer", *args], check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "data.tokenizer", *args],
+        check=False,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_train_and_encode(tmp_path):
@@ -164,9 +175,18 @@ def test_cli_train_and_encode(tmp_path):
     "args, start",
     [
         (["encode", "--tokenizer", "missing.model", "--text", "x"], "error: data.tokenizer: no such file"),
-        (["train", "--input", "nowhere/*.txt", "--vocab-size", "400", "--out", "x.model"], "error: data.path: 'nowhere/*.txt' matches no data files"),
-        (["train", "--input", "x.txt", "--vocab-size", "many", "--out", "x.model"], "error: python -m data.tokenizer train: argument --vocab-size"),
-        (["train", "--input", "x.txt", "--vocab-size", "400", "--out", "x.bin"], "error: --out: 'x.bin' must end in .model"),
+        (
+            ["train", "--input", "nowhere/*.txt", "--vocab-size", "400", "--out", "x.model"],
+            "error: data.path: 'nowhere/*.txt' matches no data files",
+        ),
+        (
+            ["train", "--input", "x.txt", "--vocab-size", "many", "--out", "x.model"],
+            "error: python -m data.tokenizer train: argument --vocab-size",
+        ),
+        (
+            ["train", "--input", "x.txt", "--vocab-size", "400", "--out", "x.bin"],
+            "error: --out: 'x.bin' must end in .model",
+        ),
         (["decode"], "error: python -m data.tokenizer: argument cmd: invalid choice"),
     ],
 )

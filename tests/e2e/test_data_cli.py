@@ -37,11 +37,26 @@ def two_sources(tmp_path_factory, shared_data) -> tuple[Path, Path, Path]:
 
 def _mixture(run_dir: Path, cache_dir: Path, sources, **extra) -> list[str]:
     a, b, val = sources
-    args = overrides(run_dir, cache_dir, **{
-        "data.source": "mixture", "data.val_path": str(val), "data.num_workers": 2, "data.tokenizer_sample_docs": 500,
-        "train.max_steps": 12, "train.batch_size": 8, "train.micro_batch_size": 4, "checkpoint.every": 0, "eval.every": 6, **extra,
-    })
-    args += ["--set", f'data.mixture=[{{source = "local", path = "{a}", weight = 3.0}}, {{source = "local", path = "{b}", weight = 1.0}}]']
+    args = overrides(
+        run_dir,
+        cache_dir,
+        **{
+            "data.source": "mixture",
+            "data.val_path": str(val),
+            "data.num_workers": 2,
+            "data.tokenizer_sample_docs": 500,
+            "train.max_steps": 12,
+            "train.batch_size": 8,
+            "train.micro_batch_size": 4,
+            "checkpoint.every": 0,
+            "eval.every": 6,
+            **extra,
+        },
+    )
+    args += [
+        "--set",
+        f'data.mixture=[{{source = "local", path = "{a}", weight = 3.0}}, {{source = "local", path = "{b}", weight = 1.0}}]',
+    ]
     return args
 
 
@@ -62,22 +77,43 @@ def test_mixture_of_two_local_sources_trains_counts_tokens_and_resumes_exactly(t
     second = train(_mixture(split, cache_dir, two_sources))
     assert second.returncode == 0 and "resumed from" in second.stdout, second.stderr[-3000:]
     again = losses(split)
-    assert [again[s]["loss"] for s in range(6, 13)] == [rows[s]["loss"] for s in range(6, 13)], "the stream continues where it stopped"
+    assert [again[s]["loss"] for s in range(6, 13)] == [rows[s]["loss"] for s in range(6, 13)], (
+        "the stream continues where it stopped"
+    )
     assert again[12]["data/tokens/" + str(two_sources[0])] == last["data/tokens/" + str(two_sources[0])]
 
 
 def test_prepared_shards_train_and_a_changed_corpus_is_refused_at_resume(tmp_path, cache_dir, two_sources):
     a, b, _ = two_sources
     shards = tmp_path / "shards"
-    prep = [sys.executable, "-m", "data.prepare", "--source", "local", "--path", str(b), "--out", str(shards), "--vocab-size", "512",
-            "--cache-dir", str(cache_dir)]
+    prep = [
+        sys.executable,
+        "-m",
+        "data.prepare",
+        "--source",
+        "local",
+        "--path",
+        str(b),
+        "--out",
+        str(shards),
+        "--vocab-size",
+        "512",
+        "--cache-dir",
+        str(cache_dir),
+    ]
     proc = subprocess.run(prep, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     index = json.loads((shards / "index.json").read_text())
     assert index["dtype"] == "uint16" and index["splits"]["train"]["documents"] > 0
 
     run_dir = tmp_path / "run"
-    settings = {"data.source": "prepared", "data.path": str(shards), "train.max_steps": 6, "checkpoint.every": 0, "eval.every": 3}
+    settings = {
+        "data.source": "prepared",
+        "data.path": str(shards),
+        "train.max_steps": 6,
+        "checkpoint.every": 0,
+        "eval.every": 3,
+    }
     first = train(overrides(run_dir, cache_dir, **settings, **{"train.stop_at": 3}))
     assert first.returncode == 0, first.stderr[-3000:]
     assert "prepared shards" in first.stdout
@@ -96,10 +132,21 @@ def test_document_masking_trains_through_the_cli(tmp_path, cache_dir, two_source
     first = {}
     for masked in (False, True):
         run_dir = tmp_path / f"masked_{masked}"
-        proc = train(overrides(run_dir, cache_dir, **{
-            "data.source": "local", "data.path": str(two_sources[0]), "data.document_masking": masked,
-            "train.max_steps": 2, "checkpoint.every": 0, "eval.every": 0, "eval.sample_tokens": 0,
-        }))
+        proc = train(
+            overrides(
+                run_dir,
+                cache_dir,
+                **{
+                    "data.source": "local",
+                    "data.path": str(two_sources[0]),
+                    "data.document_masking": masked,
+                    "train.max_steps": 2,
+                    "checkpoint.every": 0,
+                    "eval.every": 0,
+                    "eval.sample_tokens": 0,
+                },
+            )
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         first[masked] = losses(run_dir)[1]["loss"]
     # short documents: most 64-token windows hold several, so masking changes the very first loss

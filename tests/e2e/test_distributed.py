@@ -43,10 +43,21 @@ ENGINES = {  # label -> overrides
 
 
 def config(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
-    return overrides(run_dir, cache_dir, **{
-        "train.batch_size": 8, "train.micro_batch_size": 0, "train.max_steps": STEPS, "train.warmup_steps": 2,
-        "train.log_every": 1, "checkpoint.every": HALF, "eval.every": HALF, "eval.sample_tokens": 4, **extra,
-    })
+    return overrides(
+        run_dir,
+        cache_dir,
+        **{
+            "train.batch_size": 8,
+            "train.micro_batch_size": 0,
+            "train.max_steps": STEPS,
+            "train.warmup_steps": 2,
+            "train.log_every": 1,
+            "checkpoint.every": HALF,
+            "eval.every": HALF,
+            "eval.sample_tokens": 4,
+            **extra,
+        },
+    )
 
 
 def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
@@ -55,7 +66,12 @@ def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
     cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(nproc), "--config", str(TINY), *args]
     # the script runs `python`: make it this interpreter
     # faulthandler: a rank that dies on a signal prints every thread's Python stack
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONFAULTHANDLER": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    }
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
 
 
@@ -64,7 +80,11 @@ def why(proc: subprocess.CompletedProcess) -> str:
     aborts, then the tail: the first failing rank, not only rank 0, must be visible in CI."""
     lines = proc.stderr.splitlines()
     ranked = [line for line in lines if line.startswith("[rank")][-60:]
-    fatal = [i for i, line in enumerate(lines) if line.startswith(("Fatal Python error", "terminate called")) or "what():" in line]
+    fatal = [
+        i
+        for i, line in enumerate(lines)
+        if line.startswith(("Fatal Python error", "terminate called")) or "what():" in line
+    ]
     native = [line for i in fatal for line in lines[i : i + 25]]
     return "\n".join(ranked + native) + "\n...\n" + proc.stderr[-1500:]
 
@@ -122,7 +142,9 @@ def test_two_processes_reproduce_the_single_process_losses(engine_runs, single, 
     rows = losses(run)
     assert sorted(rows) == list(range(1, STEPS + 1)) and rows[STEPS]["tokens"] == losses(single)[STEPS]["tokens"]
     ckpt = run / "checkpoints" / f"step_{STEPS:08d}"
-    assert ((ckpt / "ds").is_dir() if label.startswith("zero") else (ckpt / "dcp").is_dir()) and (ckpt / "model.safetensors").is_file()
+    assert ((ckpt / "ds").is_dir() if label.startswith("zero") else (ckpt / "dcp").is_dir()) and (
+        ckpt / "model.safetensors"
+    ).is_file()
 
 
 @pytest.mark.parametrize("label", ["fsdp2", "zero3"])
@@ -131,8 +153,13 @@ def test_consolidated_weights_evaluate_like_the_single_run(engine_runs, single, 
     results = {}
     for name, run in (("single", single), (label, engine_runs[label])):
         out = tmp_path / f"{name}.json"
-        ev = subprocess.run([sys.executable, "-m", "eval.run", "--run", str(run), "--tasks", "ppl", "--out", str(out)],
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+        ev = subprocess.run(
+            [sys.executable, "-m", "eval.run", "--run", str(run), "--tasks", "ppl", "--out", str(out)],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert ev.returncode == 0, ev.stderr[-3000:]
         results[name] = json.loads(out.read_text())["ppl"]["loss"]
     assert abs(results[label] - results["single"]) <= TOL, results
@@ -148,7 +175,9 @@ def test_exact_resume(engine_runs, tmp_path, cache_dir, label):
     assert second.returncode == 0, why(second)
     assert "resumed from" in second.stdout and f"step_{HALF:08d}" in second.stdout
     ref, run = all_losses(engine_runs[label]), all_losses(run_dir)
-    assert {k: run[k] for k in ref if k[0] > HALF} == {k: v for k, v in ref.items() if k[0] > HALF}, "bit-for-bit after the restart"
+    assert {k: run[k] for k in ref if k[0] > HALF} == {k: v for k, v in ref.items() if k[0] > HALF}, (
+        "bit-for-bit after the restart"
+    )
 
 
 def test_fsdp2_saved_by_two_processes_resumes_on_one(engine_runs, tmp_path, cache_dir):
@@ -163,8 +192,15 @@ def test_fsdp2_saved_by_two_processes_resumes_on_one(engine_runs, tmp_path, cach
 
 def test_data_parallel_engine_errors(tmp_path, cache_dir):
     alone = train(config(tmp_path / "a", cache_dir, **{"train.engine": "fsdp2"}))
-    assert alone.returncode == 2 and alone.stderr.strip().startswith("error: train.engine: fsdp2 needs a distributed launcher")
-    frozen = torchrun(2, config(tmp_path / "b", cache_dir, **{"train.engine": "ddp", "train.unfreeze_at": 2, "train.freeze": "blocks.0.*"}))
+    assert alone.returncode == 2 and alone.stderr.strip().startswith(
+        "error: train.engine: fsdp2 needs a distributed launcher"
+    )
+    frozen = torchrun(
+        2,
+        config(
+            tmp_path / "b", cache_dir, **{"train.engine": "ddp", "train.unfreeze_at": 2, "train.freeze": "blocks.0.*"}
+        ),
+    )
     assert frozen.returncode != 0 and "train.unfreeze_at: not supported with train.engine=ddp" in frozen.stderr
 
 
@@ -183,14 +219,32 @@ def test_export_consolidates_the_engine_shards(engine_runs, tmp_path, label):
     shutil.copytree(src, shards_only)
     (shards_only / "model.safetensors").unlink()
     out = tmp_path / "model.safetensors"
-    proc = subprocess.run([sys.executable, "-m", "pretrain.export", "--checkpoint", str(shards_only), "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pretrain.export", "--checkpoint", str(shards_only), "--out", str(out)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     ref, got = load_file(str(src / "model.safetensors")), load_file(str(out))
     assert set(ref) <= set(got) and all(torch.equal(got[k], ref[k]) for k in ref)
     with safe_open(str(out), "pt") as f:
         meta = f.metadata()
     assert meta["step"] == str(STEPS) and f'engine = "{ENGINES[label]["train.engine"]}"' in meta["config"]
-    bad = subprocess.run([sys.executable, "-m", "pretrain.export", "--checkpoint", str(tmp_path), "--out", str(tmp_path / "x.safetensors")],
-                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pretrain.export",
+            "--checkpoint",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "x.safetensors"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert bad.returncode == 2 and bad.stderr.startswith("error: --checkpoint:")

@@ -27,25 +27,44 @@ TINY = REPO / "launch" / "configs" / "tiny.toml"
 def overrides(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
     values = {
         "run.dir": str(run_dir),
-        "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 4, "model.d_ff": 128,
-        "model.vocab_size": 512, "model.max_seq_len": 64,
-        "data.seq_len": 64, "data.cache_dir": str(cache_dir),
-        "train.batch_size": 4, "train.micro_batch_size": 2, "train.max_steps": 40, "train.warmup_steps": 5, "train.log_every": 1,
-        "checkpoint.every": 10, "checkpoint.keep": 3,
-        "eval.every": 20, "eval.batches": 2, "eval.sample_tokens": 8,
-        "log.wandb": "disabled", "log.tensorboard": False,
+        "model.d_model": 64,
+        "model.n_layers": 2,
+        "model.n_heads": 4,
+        "model.d_ff": 128,
+        "model.vocab_size": 512,
+        "model.max_seq_len": 64,
+        "data.seq_len": 64,
+        "data.cache_dir": str(cache_dir),
+        "train.batch_size": 4,
+        "train.micro_batch_size": 2,
+        "train.max_steps": 40,
+        "train.warmup_steps": 5,
+        "train.log_every": 1,
+        "checkpoint.every": 10,
+        "checkpoint.keep": 3,
+        "eval.every": 20,
+        "eval.batches": 2,
+        "eval.sample_tokens": 8,
+        "log.wandb": "disabled",
+        "log.tensorboard": False,
     }
     values.update(extra)
     args = []
     for key, value in values.items():
-        text = str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+        text = (
+            str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+        )
         args += ["--set", f"{key}={text}"]
     return args
 
 
-def train(args: list[str], *, entry: list[str] | None = None, env: dict | None = None, timeout: int = 300) -> subprocess.CompletedProcess:
+def train(
+    args: list[str], *, entry: list[str] | None = None, env: dict | None = None, timeout: int = 300
+) -> subprocess.CompletedProcess:
     cmd = [sys.executable, *(entry or ["-m", "pretrain.train"]), "--config", str(TINY), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
 
 
 def losses(run_dir: Path) -> dict[int, dict]:
@@ -76,7 +95,9 @@ def test_reference_run_outputs(reference_run):
     assert train_rows[-1]["loss"] < train_rows[0]["loss"] - 0.5, "the model learns"
     assert steps_on_disk(reference_run) == ["step_00000020", "step_00000030", "step_00000040"]  # keep = 3
     ckpt = reference_run / "checkpoints" / "step_00000040"
-    assert {"model.safetensors", "optimizer.pt", "trainer.pt", "meta.json", "tokenizer.model"} <= {p.name for p in ckpt.iterdir()}
+    assert {"model.safetensors", "optimizer.pt", "trainer.pt", "meta.json", "tokenizer.model"} <= {
+        p.name for p in ckpt.iterdir()
+    }
     assert (reference_run / "config.toml").read_text().count("[train]") == 1
 
 
@@ -122,30 +143,53 @@ def test_sigkill_while_writing_a_checkpoint_leaves_the_run_resumable(reference_r
     script.write_text(KILL_DURING_SAVE)
     marker = tmp_path / "marker"
     cmd = [sys.executable, str(script), "--config", str(TINY), *overrides(run_dir, cache_dir)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env={**os.environ, "MARKER": str(marker), "PYTHONPATH": str(REPO)}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        env={**os.environ, "MARKER": str(marker), "PYTHONPATH": str(REPO)},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 240
     while not marker.exists() and proc.poll() is None and time.time() < deadline:
         time.sleep(0.2)
-    assert marker.exists(), proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "checkpoint 20 never started"
+    assert marker.exists(), (
+        proc.stderr.read().decode()[-3000:] if proc.poll() is not None else "checkpoint 20 never started"
+    )
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
-    assert any(name.startswith(".tmp-step_00000020") for name in steps_on_disk(run_dir)), "the half-written checkpoint is on disk"
+    assert any(name.startswith(".tmp-step_00000020") for name in steps_on_disk(run_dir)), (
+        "the half-written checkpoint is on disk"
+    )
     resumed = train(overrides(run_dir, cache_dir))
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "step_00000010" in resumed.stdout.split("resumed from", 1)[1].splitlines()[0]
     ref, got = losses(reference_run), losses(run_dir)
     assert [got[s]["loss"] for s in range(11, 41)] == [ref[s]["loss"] for s in range(11, 41)]
-    assert not any(name.startswith(".tmp-") for name in steps_on_disk(run_dir)), "the dead writer's leftovers are cleaned"
+    assert not any(name.startswith(".tmp-") for name in steps_on_disk(run_dir)), (
+        "the dead writer's leftovers are cleaned"
+    )
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, cache_dir, sig):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "pretrain.train", "--config", str(TINY), *overrides(run_dir, cache_dir, **{"train.max_steps": 5000, "checkpoint.every": 0, "eval.every": 0})]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pretrain.train",
+        "--config",
+        str(TINY),
+        *overrides(run_dir, cache_dir, **{"train.max_steps": 5000, "checkpoint.every": 0, "eval.every": 0}),
+    ]
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = run_dir / "metrics.jsonl"
     deadline = time.time() + 240
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 3) and proc.poll() is None and time.time() < deadline:
+    while (
+        (not metrics.exists() or len(metrics.read_text().splitlines()) < 3)
+        and proc.poll() is None
+        and time.time() < deadline
+    ):
         time.sleep(0.2)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=120)
@@ -177,13 +221,32 @@ def test_bad_input_stops_before_training_with_one_line(tmp_path, cache_dir, extr
 def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "eval.run", "--run", str(reference_run), "--tasks", "ppl,sample,attention_stats", "--limit", "4", "--max-new-tokens", "12", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "eval.run",
+            "--run",
+            str(reference_run),
+            "--tasks",
+            "ppl,sample,attention_stats",
+            "--limit",
+            "4",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["step"] == 40
-    val = [json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line][-1]
+    val = [
+        json.loads(line) for line in (reference_run / "metrics.jsonl").read_text().splitlines() if "val_loss" in line
+    ][-1]
     assert results["ppl"]["sequences"] == 4 and results["ppl"]["tokens"] == 4 * 64
     # the same 4 validation sequences (eval.batches 2 x micro-batch 2) the trainer scored at step 40, reloaded weights
     assert results["ppl"]["loss"] == pytest.approx(val["val_loss"], abs=1e-5)
@@ -193,7 +256,9 @@ def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     assert stats["attn/full/sink_ratio"] + stats["attn/full/density"] == pytest.approx(1.0, abs=1e-5)
     assert 0 < stats["attn/full/sink_ratio"] < 1
     layers = stats["layers"]
-    assert len(layers) == 2 and stats["attn/full/sink_ratio"] == pytest.approx(sum(d["attn/full/sink_ratio"] for d in layers) / 2)
+    assert len(layers) == 2 and stats["attn/full/sink_ratio"] == pytest.approx(
+        sum(d["attn/full/sink_ratio"] for d in layers) / 2
+    )
 
 
 def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
@@ -210,13 +275,34 @@ def test_rerunning_a_finished_run_changes_nothing(reference_run, cache_dir):
     [
         ("focal", {"model.attention.focal.mode": "learned"}, {"attn/focal/tau"}),
         ("lazy", {"model.rope.theta": 500000.0}, {"attn/lazy/sink_ratio", "attn/lazy/density", "attn/lazy/tau"}),
-        ("focus", {"model.attention.focus.window": 16}, {f"attn/focus/{n}" for n in ("max_group_share", "confidence", "entropy", "imbalance", "lambda", "gate_distant", "stability")}),
+        (
+            "focus",
+            {"model.attention.focus.window": 16},
+            {
+                f"attn/focus/{n}"
+                for n in (
+                    "max_group_share",
+                    "confidence",
+                    "entropy",
+                    "imbalance",
+                    "lambda",
+                    "gate_distant",
+                    "stability",
+                )
+            },
+        ),
         ("dga", {"model.attention.dga.chunk_size": 16, "model.attention.dga.group_size": 4}, {"attn/dga/key_ratio"}),
     ],
 )
 def test_variants_train_through_the_cli_and_log_their_statistics(tmp_path, cache_dir, kind, extra, stats):
     run_dir = tmp_path / "run"
-    proc = train(overrides(run_dir, cache_dir, **{"model.attention.kind": kind, "train.max_steps": 4, "checkpoint.every": 0, "eval.every": 0, **extra}))
+    proc = train(
+        overrides(
+            run_dir,
+            cache_dir,
+            **{"model.attention.kind": kind, "train.max_steps": 4, "checkpoint.every": 0, "eval.every": 0, **extra},
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = losses(run_dir)
     assert sorted(rows) == [1, 2, 3, 4]
@@ -227,18 +313,44 @@ def test_variants_train_through_the_cli_and_log_their_statistics(tmp_path, cache
 def test_context_extension_continues_a_checkpoint_and_reports_perplexity_by_length(reference_run, tmp_path, cache_dir):
     run_dir = tmp_path / "extend"
     extra = {
-        "train.init_from": str(reference_run), "data.tokenizer": str(reference_run / "tokenizer.model"),
-        "model.max_seq_len": 128, "data.seq_len": 128, "model.rope.theta": 500000.0,
-        "train.max_steps": 3, "train.batch_size": 2, "train.micro_batch_size": 2, "checkpoint.every": 0, "eval.every": 0,
+        "train.init_from": str(reference_run),
+        "data.tokenizer": str(reference_run / "tokenizer.model"),
+        "model.max_seq_len": 128,
+        "data.seq_len": 128,
+        "model.rope.theta": 500000.0,
+        "train.max_steps": 3,
+        "train.batch_size": 2,
+        "train.micro_batch_size": 2,
+        "checkpoint.every": 0,
+        "eval.every": 0,
     }
     proc = train(overrides(run_dir, cache_dir, **extra))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "initialised weights from" in proc.stdout and "step_00000040" in proc.stdout
-    assert losses(run_dir)[1]["loss"] < losses(reference_run)[1]["loss"] - 0.3, "starts from the trained weights, not from scratch"
+    assert losses(run_dir)[1]["loss"] < losses(reference_run)[1]["loss"] - 0.3, (
+        "starts from the trained weights, not from scratch"
+    )
     out = tmp_path / "len.json"
     ev = subprocess.run(
-        [sys.executable, "-m", "eval.run", "--run", str(run_dir), "--tasks", "ppl_length", "--lengths", "0.5,1,2", "--max-tokens", "1024", "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "eval.run",
+            "--run",
+            str(run_dir),
+            "--tasks",
+            "ppl_length",
+            "--lengths",
+            "0.5,1,2",
+            "--max-tokens",
+            "1024",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(out.read_text())["ppl_length"]
@@ -248,8 +360,12 @@ def test_context_extension_continues_a_checkpoint_and_reports_perplexity_by_leng
 
 
 def test_init_from_with_another_tokenizer_is_refused(reference_run, tmp_path, cache_dir):
-    proc = train(overrides(tmp_path / "x", cache_dir, **{"train.init_from": str(reference_run), "data.vocab_size": 500}))
-    assert proc.returncode == 2 and proc.stderr.strip().startswith("error: data.tokenizer: does not match the tokenizer of")
+    proc = train(
+        overrides(tmp_path / "x", cache_dir, **{"train.init_from": str(reference_run), "data.vocab_size": 500})
+    )
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(
+        "error: data.tokenizer: does not match the tokenizer of"
+    )
 
 
 def _tensors(path: Path) -> dict:
@@ -262,10 +378,16 @@ def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, ca
     """Full-attention weights -> Focus, training only W_g, C (lambda on a schedule): every other
     parameter stays bitwise unchanged; with train.unfreeze_at the rest trains from that step."""
     base = {
-        "train.init_from": str(reference_run), "data.tokenizer": str(reference_run / "tokenizer.model"),
-        "model.attention.kind": "focus", "model.attention.focus.window": 16,
-        "model.attention.focus.lambda_schedule": "linear", "model.attention.focus.lambda_learnable": False,
-        "train.trainable": "*.core.*", "train.max_steps": 3, "checkpoint.every": 0, "eval.every": 0,
+        "train.init_from": str(reference_run),
+        "data.tokenizer": str(reference_run / "tokenizer.model"),
+        "model.attention.kind": "focus",
+        "model.attention.focus.window": 16,
+        "model.attention.focus.lambda_schedule": "linear",
+        "model.attention.focus.lambda_learnable": False,
+        "train.trainable": "*.core.*",
+        "train.max_steps": 3,
+        "checkpoint.every": 0,
+        "eval.every": 0,
     }
     pretrained = _tensors(reference_run / "checkpoints" / "step_00000040")
     run_dir = tmp_path / "centroids"
@@ -277,13 +399,33 @@ def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, ca
     assert core and all(k.endswith(("w_g.weight", "centroids", "lam")) for k in core)
     for name, tensor in pretrained.items():
         assert torch.equal(after[name], tensor), f"{name} was frozen but changed"
-    assert [round(losses(run_dir)[s]["attn/focus/lambda"], 4) for s in (1, 2, 3)] == [2.0, 8.6667, 12.0], "2 -> 12 over half the steps"
+    assert [round(losses(run_dir)[s]["attn/focus/lambda"], 4) for s in (1, 2, 3)] == [2.0, 8.6667, 12.0], (
+        "2 -> 12 over half the steps"
+    )
 
     out = tmp_path / "hard.json"
     ev = subprocess.run(
-        [sys.executable, "-m", "eval.run", "--run", str(run_dir), "--tasks", "ppl,attention_stats,sample", "--max-new-tokens", "8", "--out", str(out),
-         "--set", "model.attention.focus.mode=hard", "--set", "model.attention.focus.top_k=2"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "eval.run",
+            "--run",
+            str(run_dir),
+            "--tasks",
+            "ppl,attention_stats,sample",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+            "--set",
+            "model.attention.focus.mode=hard",
+            "--set",
+            "model.attention.focus.top_k=2",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(out.read_text())
@@ -300,12 +442,19 @@ def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, ca
     assert "step 2: training " in proc.stdout
     after = _tensors(two_phase / "checkpoints" / "step_00000003")
     assert not torch.equal(after["blocks.0.attn.wq.weight"], pretrained["blocks.0.attn.wq.weight"])
-    assert "error: train.trainable: pattern" in train(overrides(tmp_path / "bad", cache_dir, **{**base, "train.trainable": "*.core.nothing"})).stderr
+    assert (
+        "error: train.trainable: pattern"
+        in train(overrides(tmp_path / "bad", cache_dir, **{**base, "train.trainable": "*.core.nothing"})).stderr
+    )
 
 
 def test_training_lines_follow_log_every(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    proc = train(overrides(run_dir, cache_dir, **{"train.max_steps": 12, "train.log_every": 5, "checkpoint.every": 0, "eval.every": 0}))
+    proc = train(
+        overrides(
+            run_dir, cache_dir, **{"train.max_steps": 12, "train.log_every": 5, "checkpoint.every": 0, "eval.every": 0}
+        )
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(losses(run_dir)) == [1, 5, 10, 12], "the first step, every log_every-th, and the last"
 
@@ -325,8 +474,18 @@ def test_prescored_hyper_swaps_in_at_evaluation(reference_run, tmp_path):
 
     small = ["model.attention.prescored_hyper.min_seq_len=16", "model.attention.prescored_hyper.block_size=8"]
     full = ppl()
-    exact = ppl("model.attention.kind=prescored_hyper", *small, "model.attention.prescored_hyper.top_k=64", "model.attention.prescored_hyper.sample_size=64")
-    approx = ppl("model.attention.kind=prescored_hyper", *small, "model.attention.prescored_hyper.top_k=24",
-                 "model.attention.prescored_hyper.sample_size=4", "model.attention.prescored_hyper.min_keys=8")
+    exact = ppl(
+        "model.attention.kind=prescored_hyper",
+        *small,
+        "model.attention.prescored_hyper.top_k=64",
+        "model.attention.prescored_hyper.sample_size=64",
+    )
+    approx = ppl(
+        "model.attention.kind=prescored_hyper",
+        *small,
+        "model.attention.prescored_hyper.top_k=24",
+        "model.attention.prescored_hyper.sample_size=4",
+        "model.attention.prescored_hyper.min_keys=8",
+    )
     assert abs(exact - full) < 1e-4, (exact, full)
     assert approx != exact and abs(approx - full) < 1.0, (approx, full)

@@ -70,12 +70,20 @@ def test_loglikelihood_tokens_match_hand_computation_in_request_order():
     g = torch.Generator().manual_seed(1)
     rand = lambda n: torch.randint(1, CharTokenizer.vocab_size, (n,), generator=g).tolist()
     ctx = rand(4)
-    requests = [(("r0", ""), rand(3), rand(1)), (("r1", ""), rand(5), rand(4)), (("r2", ""), rand(10), rand(2)),
-                (("r3", ""), rand(20), rand(5)), (("r4", ""), rand(1), rand(1)), (("r5", ""), rand(2), rand(7)),
-                (("r6", ""), ctx, greedy_tokens(model, ctx, 3))]
+    requests = [
+        (("r0", ""), rand(3), rand(1)),
+        (("r1", ""), rand(5), rand(4)),
+        (("r2", ""), rand(10), rand(2)),
+        (("r3", ""), rand(20), rand(5)),
+        (("r4", ""), rand(1), rand(1)),
+        (("r5", ""), rand(2), rand(7)),
+        (("r6", ""), ctx, greedy_tokens(model, ctx, 3)),
+    ]
     expected = [hand_score(model, c, x) for _, c, x in requests]
     for batch_size in (1, 3):
-        got = FocusedLM(model, CharTokenizer(), batch_size=batch_size)._loglikelihood_tokens(requests, disable_tqdm=True)
+        got = FocusedLM(model, CharTokenizer(), batch_size=batch_size)._loglikelihood_tokens(
+            requests, disable_tqdm=True
+        )
         assert [g_ for _, g_ in got] == [e for _, e in expected]
         assert [lp for lp, _ in got] == pytest.approx([lp for lp, _ in expected], rel=1e-10, abs=1e-10)
     assert expected[6][1] and not all(greedy for _, greedy in expected)
@@ -120,7 +128,9 @@ def test_loglikelihood_rolling_scores_every_token_once():
     windows = []
     inner = lm._loglikelihood_tokens
     lm._loglikelihood_tokens = lambda reqs, **kw: (windows.extend(reqs), inner(reqs, **kw))[1]
-    got = lm.loglikelihood_rolling([SimpleNamespace(args=(long_text,)), SimpleNamespace(args=(short_text,))], disable_tqdm=True)
+    got = lm.loglikelihood_rolling(
+        [SimpleNamespace(args=(long_text,)), SimpleNamespace(args=(short_text,))], disable_tqdm=True
+    )
 
     expected_long, scored = hand_rolling(model, tok.encode(long_text), tok.eos_id)
     assert scored == len(tok.encode(long_text)) == 51
@@ -156,10 +166,12 @@ class CountingModel(torch.nn.Module):
 def test_generate_until_stops_at_stop_strings_and_respects_max_gen_toks():
     model = CountingModel()
     lm = FocusedLM(model, CharTokenizer())
-    reqs = [("abc", {"until": ["g", "x"], "max_gen_toks": 10}),
-            ("abc", {"until": [], "max_gen_toks": 3}),
-            ("abc", {"until": "e", "max_gen_toks": 10}),
-            ("abcdefghijklmnopqrstuvwxyz", {"until": ["\n\n"], "max_gen_toks": 4})]
+    reqs = [
+        ("abc", {"until": ["g", "x"], "max_gen_toks": 10}),
+        ("abc", {"until": [], "max_gen_toks": 3}),
+        ("abc", {"until": "e", "max_gen_toks": 10}),
+        ("abcdefghijklmnopqrstuvwxyz", {"until": ["\n\n"], "max_gen_toks": 4}),
+    ]
     out = lm.generate_until([SimpleNamespace(args=a) for a in reqs], disable_tqdm=True)
     assert out == ["def", "def", "d", " .,a"]
     assert model.emitted == [4, 3, 2, 4]  # decoding ended at the stop string, not at the budget
@@ -169,7 +181,9 @@ def test_generate_until_stops_at_stop_strings_and_respects_max_gen_toks():
 
 def test_generate_until_with_the_real_model_keeps_its_budget():
     lm = FocusedLM(tiny_model(dtype=torch.float32), CharTokenizer())
-    out = lm.generate_until([SimpleNamespace(args=("the cat", {"until": ["."], "max_gen_toks": 5}))] * 2, disable_tqdm=True)
+    out = lm.generate_until(
+        [SimpleNamespace(args=("the cat", {"until": ["."], "max_gen_toks": 5}))] * 2, disable_tqdm=True
+    )
     assert len(out) == 2 and out[0] == out[1]
     assert len(out[0]) <= 5 and "." not in out[0]
 
@@ -209,16 +223,24 @@ def test_missing_data_file_stops_evaluate_before_lm_eval_runs(tmp_path, monkeypa
         evaluate(lm, ["piqa"], limit=1)
     (tmp_path / "lambada_openai").mkdir()
     (tmp_path / "lambada_openai" / "lambada_test.jsonl").write_text('{"text": "a b"}\n')
-    with pytest.raises(ConfigError, match=r"^data_dir: task 'wikitext' needs the file .*wikitext2_raw_test/wiki.test.raw$"):
+    with pytest.raises(
+        ConfigError, match=r"^data_dir: task 'wikitext' needs the file .*wikitext2_raw_test/wiki.test.raw$"
+    ):
         evaluate(lm, ["lambada_openai", "wikitext"], limit=1, data_dir=tmp_path)
 
 
 # ---- against the shared offline data ----------------------------------------------------------
 
 EXPECTED = {
-    "hellaswag": {"acc", "acc_norm"}, "arc_easy": {"acc", "acc_norm"}, "arc_challenge": {"acc", "acc_norm"},
-    "piqa": {"acc", "acc_norm"}, "winogrande": {"acc"}, "boolq": {"acc"}, "social_iqa": {"acc"},
-    "lambada_openai": {"perplexity", "acc"}, "wikitext": {"word_perplexity", "byte_perplexity", "bits_per_byte"},
+    "hellaswag": {"acc", "acc_norm"},
+    "arc_easy": {"acc", "acc_norm"},
+    "arc_challenge": {"acc", "acc_norm"},
+    "piqa": {"acc", "acc_norm"},
+    "winogrande": {"acc"},
+    "boolq": {"acc"},
+    "social_iqa": {"acc"},
+    "lambada_openai": {"perplexity", "acc"},
+    "wikitext": {"word_perplexity", "byte_perplexity", "bits_per_byte"},
 }
 
 
@@ -240,7 +262,18 @@ def test_model_args_load_a_checkpoint_with_its_tokenizer(shared_data, tmp_path):
     from pretrain.config import run_config_from_dict
 
     # A preset: a config saved with preset = "" does not load back (model.preset must name one).
-    cfg = run_config_from_dict({"model": {"preset": "tiny", "vocab_size": 50257, "d_model": 32, "n_layers": 2, "n_heads": 2, "max_seq_len": 32}})
+    cfg = run_config_from_dict(
+        {
+            "model": {
+                "preset": "tiny",
+                "vocab_size": 50257,
+                "d_model": 32,
+                "n_layers": 2,
+                "n_heads": 2,
+                "max_seq_len": 32,
+            }
+        }
+    )
     torch.manual_seed(0)
     model = build_model(cfg.model).eval()
 
@@ -248,7 +281,9 @@ def test_model_args_load_a_checkpoint_with_its_tokenizer(shared_data, tmp_path):
         save_model(model, str(directory / MODEL_FILE))
         shutil.copyfile(shared_data / "gpt2_bpe" / "gpt2_tokenizer.json", directory / "tokenizer.json")
 
-    path = save_checkpoint(tmp_path, 7, write_engine_state=write, trainer_state={"step": 7, "config": cfg.to_toml()}, keep=0)
+    path = save_checkpoint(
+        tmp_path, 7, write_engine_state=write, trainer_state={"step": 7, "config": cfg.to_toml()}, keep=0
+    )
     by_run = get_model("focused").create_from_arg_string(f"run={tmp_path},device=cpu,batch_size=2")
     by_dir = FocusedLM.create_from_arg_string(f"checkpoint={path}", {"device": "cpu", "batch_size": None})
     assert (by_run.batch_size, by_run.max_length, by_run.eot_token_id, by_dir.batch_size) == (2, 32, 50256, 8)
@@ -282,14 +317,24 @@ def test_local_documents_match_lm_eval_formats(shared_data, tmp_path):
     from eval.harness import LM_EVAL_PREFIX
 
     include = render_tasks(shared_data, ["hellaswag", "arc_easy", "winogrande", "boolq", "wikitext"], out_dir=tmp_path)
-    tasks = TaskManager(include_path=str(include), include_defaults=False).load([LM_EVAL_PREFIX + t for t in ("hellaswag", "arc_easy", "winogrande", "boolq", "wikitext")])["tasks"]
-    hella, arc, wino, boolq, wiki = (tasks[LM_EVAL_PREFIX + t] for t in ("hellaswag", "arc_easy", "winogrande", "boolq", "wikitext"))
+    tasks = TaskManager(include_path=str(include), include_defaults=False).load(
+        [LM_EVAL_PREFIX + t for t in ("hellaswag", "arc_easy", "winogrande", "boolq", "wikitext")]
+    )["tasks"]
+    hella, arc, wino, boolq, wiki = (
+        tasks[LM_EVAL_PREFIX + t] for t in ("hellaswag", "arc_easy", "winogrande", "boolq", "wikitext")
+    )
     doc = hella.eval_docs[1]
     # lm_eval capitalises ctx_b ("the lady" -> "The lady"); the klosax file keeps the source's case.
-    assert hella.doc_to_text(doc) == "Clean and jerk: A lady walks to a barbell. She bends down and grabs the pole. The lady"
+    assert (
+        hella.doc_to_text(doc)
+        == "Clean and jerk: A lady walks to a barbell. She bends down and grabs the pole. The lady"
+    )
     assert (hella.doc_to_target(doc), len(hella.eval_docs)) == (3, 10042)
     doc = arc.eval_docs[0]
-    assert arc.doc_to_text(doc) == "Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"
+    assert (
+        arc.doc_to_text(doc)
+        == "Question: Which statement best explains why photosynthesis is the foundation of most food webs?\nAnswer:"
+    )
     assert (arc.doc_to_target(doc), len(arc.eval_docs)) == (0, 2376)  # lm_eval scores ARC's test split
     doc = wino.eval_docs[0]
     assert wino.doc_to_text(doc) == 1 and wino.doc_to_choice(doc)[1].endswith("so Maria")

@@ -32,7 +32,16 @@ TREC_CLASSES = ["Abbreviation", "Expression abbreviated", "City", "Other locatio
 # ---------------------------------------------------------------- helpers
 
 
-def row(dataset: str, answers: Sequence[str], *, key: str, length: int = 100, all_classes=None, context: str = "", input: str = "question?") -> dict:
+def row(
+    dataset: str,
+    answers: Sequence[str],
+    *,
+    key: str,
+    length: int = 100,
+    all_classes=None,
+    context: str = "",
+    input: str = "question?",
+) -> dict:
     """A row in the official schema; ``key`` (unique) sits in the context so the fake can find the gold answer."""
     return {
         "input": input, "context": f"<{key}> {context}", "answers": list(answers), "length": length,
@@ -85,7 +94,12 @@ def test_configs_cover_every_dataset():
     assert set(PROMPTS) == set(MAX_NEW_TOKENS) == set(M.DATASET_METRIC) == set(DATASETS)
     assert len(DATASETS) == 21
     assert all("{context}" in p for p in PROMPTS.values())
-    assert (MAX_NEW_TOKENS["gov_report"], MAX_NEW_TOKENS["samsum"], MAX_NEW_TOKENS["trec"], MAX_NEW_TOKENS["hotpotqa"]) == (512, 128, 64, 32)
+    assert (
+        MAX_NEW_TOKENS["gov_report"],
+        MAX_NEW_TOKENS["samsum"],
+        MAX_NEW_TOKENS["trec"],
+        MAX_NEW_TOKENS["hotpotqa"],
+    ) == (512, 128, 64, 32)
     assert PROMPTS["lcc"] == "Please complete the code given below. \n{context}Next line of code:\n"
     assert M.DATASET_METRIC["trec"] is M.classification_score and M.DATASET_METRIC["lsht"] is M.classification_score
     assert M.DATASET_METRIC["repobench-p"] is M.code_sim_score and M.DATASET_METRIC["vcsum"] is M.rouge_zh_score
@@ -206,7 +220,14 @@ def test_truncate_middle_keeps_exact_head_and_tail():
 
 
 def test_length_buckets_boundaries():
-    assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 50_000)] == ["0-4k", "0-4k", "4-8k", "4-8k", "8k+", "8k+"]
+    assert [length_bucket(n) for n in (0, 3999, 4000, 7999, 8000, 50_000)] == [
+        "0-4k",
+        "0-4k",
+        "4-8k",
+        "4-8k",
+        "8k+",
+        "8k+",
+    ]
 
 
 # ---------------------------------------------------------------- loader errors
@@ -225,7 +246,10 @@ GOOD = row("hotpotqa", ["Paris"], key="a")
         ({**GOOD, "dataset": "squad"}, "field 'dataset' 'squad' is not one of"),
         ({**GOOD, "context": None}, "field 'context' must be a string"),
         ({**GOOD, "all_classes": "City"}, "field 'all_classes' must be null or a list of strings"),
-        ({**GOOD, "dataset": "trec", "all_classes": None}, "field 'all_classes' must be a non-empty list of strings for trec"),
+        (
+            {**GOOD, "dataset": "trec", "all_classes": None},
+            "field 'all_classes' must be a non-empty list of strings for trec",
+        ),
         ([1, 2], "must be a JSON object"),
     ],
 )

@@ -66,4 +66,6 @@ def test_text_perplexity_reports_token_and_byte_figures():
     n_bytes = len(texts[0]) + len(texts[2].encode())
     nats = out["loss"] * out["tokens"]
     assert out["bytes"] == n_bytes and out["bits_per_byte"] == pytest.approx(nats / n_bytes / math.log(2))
-    assert out["byte_perplexity"] == pytest.approx(math.exp(nats / n_bytes)) and out["perplexity"] == pytest.approx(math.exp(out["loss"]))
+    assert out["byte_perplexity"] == pytest.approx(math.exp(nats / n_bytes)) and out["perplexity"] == pytest.approx(
+        math.exp(out["loss"])
+    )

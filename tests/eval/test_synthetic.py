@@ -43,7 +43,13 @@ def gpt2(shared: Path):
 class FakeGenerator:
     """The TextGenerator surface; replies through ``reply(prompt)`` and records the stop strings."""
 
-    def __init__(self, reply: Callable[[str], str], *, encode: Callable[[str], list[int]] = word_encode, max_context: int = 1 << 20):
+    def __init__(
+        self,
+        reply: Callable[[str], str],
+        *,
+        encode: Callable[[str], list[int]] = word_encode,
+        max_context: int = 1 << 20,
+    ):
         self.reply, self.encode, self.max_context = reply, encode, max_context
         self.stops: list[tuple[str, ...]] = []
 
@@ -102,7 +108,9 @@ def nq_file(shared_data) -> Path:
 
 
 def test_ruler_string_match_scores():
-    assert S.string_match_all("The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]) == pytest.approx(2 / 3)
+    assert S.string_match_all(
+        "The numbers are 1234567 and 7654321.", ["1234567", "7654321", "1111111"]
+    ) == pytest.approx(2 / 3)
     assert S.string_match_all("KEY: Brave-Otter", ["brave-otter"]) == 1.0  # case-insensitive
     assert S.string_match_all("", ["1"]) == 0.0
     assert S.string_match_part("only 7654321", ["1234567", "7654321"]) == 1.0
@@ -114,7 +122,9 @@ def test_helmet_normalisation_and_substring_exact_match():
     assert S.normalize_answer("An apple a day") == "apple day"
     assert S.substring_exact_match("It was Wilhelm Conrad Röntgen, in 1901.", ["Wilhelm Conrad Röntgen"]) == 1.0
     assert S.substring_exact_match("the height: 1,149 feet", ["1149 feet"]) == 1.0  # punctuation goes on both sides
-    assert S.substring_exact_match("Paris", ["London", "the city of Paris"]) == 0.0  # answer must sit inside the prediction
+    assert (
+        S.substring_exact_match("Paris", ["London", "the city of Paris"]) == 0.0
+    )  # answer must sit inside the prediction
     assert S.substring_exact_match("london", "London") == 1.0
     assert S.substring_exact_match("", ["x"]) == 0.0
 
@@ -138,7 +148,11 @@ def test_needle_prompts_hold_the_expected_needles(kind):
         assert S.string_match_all(needle_reply(item.prompt), item.answers) == 1.0  # the gold answers are derivable
         if shape[1] == 1:
             assert item.prompt.startswith("A special magic number is hidden within the following text.")
-            assert item.prompt.endswith("The special magic number for " + QUERY_RE.search(item.prompt).group(1) + " mentioned in the provided text is")
+            assert item.prompt.endswith(
+                "The special magic number for "
+                + QUERY_RE.search(item.prompt).group(1)
+                + " mentioned in the provided text is"
+            )
         else:
             assert item.prompt.startswith("Some special magic numbers are hidden within the following text.")
             assert item.prompt.endswith("mentioned in the provided text are")
@@ -148,7 +162,15 @@ def test_needle_prompts_hold_the_expected_needles(kind):
 def test_needle_uuid_keys_and_essay_folder_parameter(tmp_path):
     (tmp_path / "a.txt").write_text("First essay. It has two sentences.", encoding="utf-8")
     (tmp_path / "b.txt").write_text("Second essay here! Short too?", encoding="utf-8")
-    items = S.needle_samples(word_encode, kind="multikey", haystack="essay", haystack_dir=tmp_path, key_type="uuids", lengths=[512], depths=[0.5])
+    items = S.needle_samples(
+        word_encode,
+        kind="multikey",
+        haystack="essay",
+        haystack_dir=tmp_path,
+        key_type="uuids",
+        lengths=[512],
+        depths=[0.5],
+    )
     prompt = items[0].prompt
     assert all(UUID_RE.match(k) for k, _ in NEEDLE_RE.findall(prompt))
     assert prompt.count("First essay.") > 5  # tiny essays repeat to fill the length
@@ -160,7 +182,9 @@ def test_needle_uuid_keys_and_essay_folder_parameter(tmp_path):
 def test_needle_prompt_fits_and_nearly_fills_the_length(encode, haystack, length, request):
     haystack_dir = request.getfixturevalue("essays") if haystack == "essay" else None
     for kind in KINDS:
-        for item in S.needle_samples(encode, kind=kind, haystack=haystack, haystack_dir=haystack_dir, lengths=[length], depths=[0.0, 0.5, 1.0]):
+        for item in S.needle_samples(
+            encode, kind=kind, haystack=haystack, haystack_dir=haystack_dir, lengths=[length], depths=[0.0, 0.5, 1.0]
+        ):
             assert item.tokens == len(encode(item.prompt))
             assert 0.9 * length <= item.tokens <= length - S.NEEDLE_NEW_TOKENS  # room left for the answer
 
@@ -177,7 +201,9 @@ def test_needle_lands_at_the_requested_depth(encode, haystack, request):
 
 
 def test_needle_samples_are_deterministic_by_seed():
-    make = lambda seed: S.needle_samples(word_encode, kind="multiquery", lengths=[512, 1024], depths=[0.0, 1.0], samples=2, seed=seed)
+    make = lambda seed: S.needle_samples(
+        word_encode, kind="multiquery", lengths=[512, 1024], depths=[0.0, 1.0], samples=2, seed=seed
+    )
     first = make(0)
     assert first == make(0)
     assert [s.prompt for s in first] != [s.prompt for s in make(1)]
@@ -243,10 +269,14 @@ def test_rag_prompt_sized_with_gold_passage_at_the_depth(encode, nq_file, length
         assert tuple(answers) == item.answers
         assert 0.9 * length <= item.tokens == len(encode(item.prompt)) <= length - S.RAG_NEW_TOKENS
         assert item.prompt.count("\nAnswer: ") == shots + 1  # the format line and one per demo
-        starts = [m.start() for m in re.finditer(r"Document \(Title: ", item.prompt)][shots:]  # a passage per demo first
+        starts = [m.start() for m in re.finditer(r"Document \(Title: ", item.prompt)][
+            shots:
+        ]  # a passage per demo first
         index = starts.index(item.prompt.index(f"Document (Title: {ctx['title']}): {ctx['text']}"))
         assert abs(index / (len(starts) - 1) - item.depth) <= 0.5 / (len(starts) - 1) + 1e-9
-    assert items == S.rag_samples(encode, data_file=nq_file, lengths=[length], depths=[0.0, 0.5, 1.0], samples=2, shots=shots)
+    assert items == S.rag_samples(
+        encode, data_file=nq_file, lengths=[length], depths=[0.0, 0.5, 1.0], samples=2, shots=shots
+    )
 
 
 # ---------------------------------------------------------------- runners: oracle 100, empty 0
@@ -263,7 +293,14 @@ def test_run_needle_oracle_scores_100_and_empty_scores_0(kind):
 
 def test_run_needle_on_essays_with_gpt2(shared_data, essays):
     tok = gpt2(shared_data)
-    args = {"kind": "multivalue", "haystack": "essay", "haystack_dir": essays, "lengths": [2048], "depths": [0.25, 0.75], "progress": False}
+    args = {
+        "kind": "multivalue",
+        "haystack": "essay",
+        "haystack_dir": essays,
+        "lengths": [2048],
+        "depths": [0.25, 0.75],
+        "progress": False,
+    }
     assert S.run_needle(FakeGenerator(needle_reply, encode=tok.encode, max_context=2048), **args)["score"] == 100.0
     half = lambda p: needle_reply(p).split(",")[0]  # the first of four values
     assert S.run_needle(FakeGenerator(half, encode=tok.encode, max_context=2048), **args)["score"] == 25.0
@@ -278,7 +315,9 @@ def test_run_kv_retrieval_oracle_and_empty(capsys):
 
 
 def test_run_kv_retrieval_from_file(kv_file):
-    result = S.run_kv_retrieval(FakeGenerator(kv_reply), lengths=[2048], depths=[0.5], data_file=kv_file, samples=2, progress=False)
+    result = S.run_kv_retrieval(
+        FakeGenerator(kv_reply), lengths=[2048], depths=[0.5], data_file=kv_file, samples=2, progress=False
+    )
     assert result["score"] == 100.0
 
 
@@ -314,7 +353,10 @@ def test_bad_options_raise_one_line_config_errors(tmp_path):
         ("--haystack", lambda: S.needle_samples(word_encode, haystack="lorem", lengths=[512])),
         ("--depths", lambda: S.needle_samples(word_encode, lengths=[512], depths=[1.5])),
         ("--haystack-dir", lambda: S.needle_samples(word_encode, haystack="essay", lengths=[512])),
-        ("--haystack-dir", lambda: S.needle_samples(word_encode, haystack="essay", haystack_dir=tmp_path / "none", lengths=[512])),
+        (
+            "--haystack-dir",
+            lambda: S.needle_samples(word_encode, haystack="essay", haystack_dir=tmp_path / "none", lengths=[512]),
+        ),
         ("--context-lengths", lambda: S.needle_samples(word_encode, lengths=[60])),
         ("--context-lengths", lambda: S.needle_samples(word_encode, lengths=[])),
         ("--samples", lambda: S.kv_samples(word_encode, lengths=[512], samples=0)),
@@ -348,9 +390,14 @@ def test_needle_heatmap_png(tmp_path):
 
 def test_loss_curve_and_group_size_pngs(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": s, "loss": 5.0 / s, "attn/focus/max_group_share": 0.2 + s / 100, "attn/focus/entropy": 1.0 / s} for s in range(1, 41)]
+    lines = [
+        {"step": s, "loss": 5.0 / s, "attn/focus/max_group_share": 0.2 + s / 100, "attn/focus/entropy": 1.0 / s}
+        for s in range(1, 41)
+    ]
     lines += [{"step": s, "val_loss": 4.0 / s * 2, "val_ppl": 2.0} for s in (10, 20, 30, 40)]
-    metrics.write_text("\n".join(map(json.dumps, lines)) + '\n{"step": 41, "lo', encoding="utf-8")  # a half-written last line
+    metrics.write_text(
+        "\n".join(map(json.dumps, lines)) + '\n{"step": 41, "lo', encoding="utf-8"
+    )  # a half-written last line
     assert _is_png(plot_loss_curves(metrics, tmp_path / "loss.png"))
     assert _is_png(plot_group_sizes(metrics, tmp_path / "focus.png"))
     plain = tmp_path / "plain.jsonl"

@@ -42,7 +42,9 @@ def test_each_document_of_a_packed_row_is_computed_as_if_alone(family, impl):
     alone_b = model(b[None]).logits
     torch.testing.assert_close(logits[:, :7], alone_a, rtol=0, atol=1e-10)
     torch.testing.assert_close(logits[:, 7:], alone_b, rtol=0, atol=1e-10)
-    assert not torch.allclose(model(packed).logits[:, 7:], alone_b), "without masking the second document sees the first"
+    assert not torch.allclose(model(packed).logits[:, 7:], alone_b), (
+        "without masking the second document sees the first"
+    )
 
 
 def test_fast_path_matches_the_reference_in_values_and_gradients():

@@ -14,7 +14,9 @@ from tests.conftest import REPO
 
 
 def run_info(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "model.info", *args], cwd=REPO, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "model.info", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
 @pytest.mark.parametrize("preset,expected", [("gpt2-124m", 124_439_808), ("llama-7b", 6_738_415_616)])
@@ -58,7 +60,18 @@ def test_meta_count_equals_materialised_count():
 
 
 def test_tied_and_untied_heads():
-    gpt2 = Transformer(ModelConfig(family="gpt2", vocab_size=50, max_seq_len=16, d_model=32, n_layers=1, n_heads=4, tie_embeddings=True, bias=True))
+    gpt2 = Transformer(
+        ModelConfig(
+            family="gpt2",
+            vocab_size=50,
+            max_seq_len=16,
+            d_model=32,
+            n_layers=1,
+            n_heads=4,
+            tie_embeddings=True,
+            bias=True,
+        )
+    )
     assert gpt2.lm_head.weight is gpt2.tok_emb.weight
     llama = Transformer(ModelConfig(vocab_size=50, max_seq_len=16, d_model=32, n_layers=1, n_heads=4))
     assert llama.lm_head.weight is not llama.tok_emb.weight
@@ -75,7 +88,12 @@ def test_flops_per_token_by_hand():
 
 @pytest.mark.parametrize(
     "field,value,needle",
-    [("n_heads", 7, "model.n_heads"), ("n_kv_heads", 3, "model.n_kv_heads"), ("family", "bert", "model.family"), ("dropout", 1.5, "model.dropout")],
+    [
+        ("n_heads", 7, "model.n_heads"),
+        ("n_kv_heads", 3, "model.n_kv_heads"),
+        ("family", "bert", "model.family"),
+        ("dropout", 1.5, "model.dropout"),
+    ],
 )
 def test_invalid_model_config(field, value, needle):
     cfg = ModelConfig(d_model=64, n_heads=4)
@@ -100,7 +118,18 @@ def test_gqa_and_qk_norm_forward_and_loss(qk_norm):
 
 
 def test_learned_positions_limit():
-    model = Transformer(ModelConfig(family="gpt2", vocab_size=10, max_seq_len=8, d_model=16, n_layers=1, n_heads=2, bias=True, tie_embeddings=True))
+    model = Transformer(
+        ModelConfig(
+            family="gpt2",
+            vocab_size=10,
+            max_seq_len=8,
+            d_model=16,
+            n_layers=1,
+            n_heads=2,
+            bias=True,
+            tie_embeddings=True,
+        )
+    )
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
 

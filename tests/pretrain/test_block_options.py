@@ -91,7 +91,18 @@ def test_compile_per_block_trains_like_eager_and_keeps_parameter_names():
     for compiled in (False, True):
         torch.manual_seed(0)
         model = Transformer(ModelConfig(**CFG))
-        eng = build_engine(model, TrainConfig(precision="fp32", lr=1e-2, warmup_steps=0, max_steps=10, compile=compiled, activation_checkpointing="selective"), torch.device("cpu"))
+        eng = build_engine(
+            model,
+            TrainConfig(
+                precision="fp32",
+                lr=1e-2,
+                warmup_steps=0,
+                max_steps=10,
+                compile=compiled,
+                activation_checkpointing="selective",
+            ),
+            torch.device("cpu"),
+        )
         names[compiled] = list(model.state_dict())
         losses[compiled] = []
         for _ in range(3):

@@ -68,7 +68,10 @@ def test_untie_keeps_one_name_per_tied_tensor():
     head = nn.Linear(3, 5, bias=False)
     head.weight = emb.weight
     model = nn.ModuleDict({"emb": emb, "head": head})
-    copies = {"emb.weight": emb.weight.detach().clone(), "head.weight": emb.weight.detach().clone()}  # a gathered state dict
+    copies = {
+        "emb.weight": emb.weight.detach().clone(),
+        "head.weight": emb.weight.detach().clone(),
+    }  # a gathered state dict
     assert list(ckpt.untie(copies, model)) == ["emb.weight"]
     shared = {"a": emb.weight.detach(), "b": emb.weight.detach(), "c": torch.zeros(5, 3)}  # zero_to_fp32 style
     assert list(ckpt.untie(shared)) == ["a", "c"]

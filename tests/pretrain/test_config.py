@@ -11,8 +11,12 @@ TINY = REPO / "launch" / "configs" / "tiny.toml"
 
 
 def test_tiny_config_loads_with_preset_and_overrides():
-    cfg = load_run_config(TINY, ["model.n_layers=2", "train.max_steps=7", "model.attention.full.backend=sdpa", "run.dir=/tmp/x"])
-    assert cfg.model.preset == "tiny" and cfg.model.n_layers == 2 and cfg.model.d_model == 256  # preset kept, override wins
+    cfg = load_run_config(
+        TINY, ["model.n_layers=2", "train.max_steps=7", "model.attention.full.backend=sdpa", "run.dir=/tmp/x"]
+    )
+    assert (
+        cfg.model.preset == "tiny" and cfg.model.n_layers == 2 and cfg.model.d_model == 256
+    )  # preset kept, override wins
     assert cfg.train.max_steps == 7 and cfg.model.attention.variant.backend == "sdpa"
     assert str(cfg.run_dir) == "/tmp/x"
 
@@ -37,7 +41,10 @@ def test_resolved_config_round_trips_through_toml():
         ("model.n_heads=7", "model.n_heads: 7 does not divide model.d_model=256"),
         ("model.preset=gpt5", "model.preset: 'gpt5' is not one of"),
         ("model.attention.kind=sparse", "model.attention.kind: 'sparse' is not one of"),
-        ('data.mixture=[{source = "local", path = "x", weight = 1.0}]', "data.mixture: set data.source = 'mixture' to use it"),
+        (
+            'data.mixture=[{source = "local", path = "x", weight = 1.0}]',
+            "data.mixture: set data.source = 'mixture' to use it",
+        ),
         ("data.source=mixture", "data.mixture: data.source = 'mixture' needs [[data.mixture]] tables"),
         ('data.mixture=[{source = "c4", weigth = 1.0}]', "data.mixture[0].weigth: unknown key; did you mean 'weight'?"),
         ("data.source=prepared", "data.path: '' is not a prepared shard directory"),
@@ -53,7 +60,10 @@ def test_resolved_config_round_trips_through_toml():
 def test_bad_input_is_one_line_naming_the_field(override, needle):
     if needle is None:  # the variant's counterpart below must then fail
         load_run_config(TINY, [override])
-        override, needle = "model.attention.kind=lazy", "data.document_masking: not supported by model.attention.kind = 'lazy'; supported: full"
+        override, needle = (
+            "model.attention.kind=lazy",
+            "data.document_masking: not supported by model.attention.kind = 'lazy'; supported: full",
+        )
         with pytest.raises(ConfigError) as info:
             load_run_config(TINY, ["data.document_masking=true", override])
         assert needle in str(info.value)

@@ -12,7 +12,9 @@ from pretrain.engine import autocast_dtype, build_engine
 def engine(precision="fp32", seed=0, dtype=torch.float32):
     torch.manual_seed(seed)
     model = Transformer(ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4)).to(dtype)
-    return build_engine(model, TrainConfig(precision=precision, lr=1e-2, warmup_steps=0, max_steps=10), torch.device("cpu"))
+    return build_engine(
+        model, TrainConfig(precision=precision, lr=1e-2, warmup_steps=0, max_steps=10), torch.device("cpu")
+    )
 
 
 def test_accumulation_equals_one_large_batch():

@@ -46,10 +46,28 @@ def test_scheduler_drives_optimizer_lr():
 
 
 def test_no_decay_on_norms_biases_and_embeddings():
-    model = Transformer(ModelConfig(family="gpt2", vocab_size=20, max_seq_len=8, d_model=16, n_layers=1, n_heads=2, bias=True, tie_embeddings=True))
+    model = Transformer(
+        ModelConfig(
+            family="gpt2",
+            vocab_size=20,
+            max_seq_len=8,
+            d_model=16,
+            n_layers=1,
+            n_heads=2,
+            bias=True,
+            tie_embeddings=True,
+        )
+    )
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
-    assert decayed == {"blocks.0.attn.wq.weight", "blocks.0.attn.wk.weight", "blocks.0.attn.wv.weight", "blocks.0.attn.wo.weight", "blocks.0.mlp.up.weight", "blocks.0.mlp.down.weight"}
+    assert decayed == {
+        "blocks.0.attn.wq.weight",
+        "blocks.0.attn.wk.weight",
+        "blocks.0.attn.wv.weight",
+        "blocks.0.attn.wo.weight",
+        "blocks.0.mlp.up.weight",
+        "blocks.0.mlp.down.weight",
+    }
     assert no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
