@@ -91,10 +91,7 @@ def task_ppl_length(
     lengths = [max(1, int(train_length * m)) for m in multiples]
     results = loss_by_length(model, corpus.val.tokens, lengths, max_tokens=max_tokens, device=device)
     out = {str(length): r for length, r in results.items()}
-    try:
-        out["plot"] = str(plot_loss_by_length(results, plot, train_length=train_length))
-    except ImportError:
-        out["plot"] = "matplotlib is not installed (pip install '.[eval]')"
+    out["plot"] = str(plot_loss_by_length(results, plot, train_length=train_length))
     return out
 
 
