@@ -12,7 +12,7 @@ Rows, each in tokens per second on this machine:
   why it was skipped.
 
 Each is divided by the tokens per second one training step consumes (forward + backward +
-AdamW through the trainer's engine, ``pretrain.engine``) for the tiny model at its demo batch
+AdamW through the trainer's engine, ``pretrain.engines``) for the tiny model at its demo batch
 (16 x 256) and for ``llama-124m`` at 1 x 1024. A ratio above 1 means the data path outruns
 the model. Prints Markdown ready for docs/benchmarks.md.
 """
@@ -115,9 +115,10 @@ def streaming_row(tokenizer, folder: str, batch: int, seq_len: int, seconds: flo
 
 def model_rate(preset: str, batch: int, seq_len: int, steps: int, device: str) -> ModelRate:
     """Tokens/s of full training steps (forward, backward, clip, AdamW) as the trainer runs them."""
+    from core.device import resolve_device
     from model.transformer import build_model
-    from pretrain.config import TrainConfig, model_config_from_dict
-    from pretrain.engine import build_engine, resolve_device
+    from pretrain.engines import build_engine
+    from run.config import TrainConfig, model_config_from_dict
 
     torch.manual_seed(0)
     dev = resolve_device(device)
@@ -235,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
 
+    from core.errors import ConfigError
     from data.prepare import PrepareConfig, prepare
     from data.shards import load_prepared_tokenizer, open_prepared
-    from model.errors import ConfigError
 
     texts, corpus = load_texts(args.data)
     batch, seq_len = 8, 1024

@@ -28,8 +28,8 @@ RUNS = {  # label -> (assignment, sinkhorn_scope)
 
 
 def run(label: str, args: argparse.Namespace, root: Path) -> dict[int, dict]:
-    from pretrain.config import load_run_config
     from pretrain.loop import Trainer
+    from run.config import load_run_config
 
     assignment, scope = RUNS[label]
     overrides = [

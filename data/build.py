@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from core.errors import ConfigError
 from data.config import DataConfig
 from data.packing import PackedDataset, pack_documents
 from data.sources import Document, iter_documents
 from data.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
-from model.errors import ConfigError
 
 CACHE_FORMAT = "tokens-v1"  # bump when packing changes, so old caches are not reused
 

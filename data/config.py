@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from model.errors import ConfigError, check_choice, check_min, check_range
+from core.errors import ConfigError, check_choice, check_min, check_range
 
 HUB = ("slimpajama", "fineweb-edu", "openwebtext", "pg19")  # streamed with `datasets` (data/stream_sources.py)
 SOURCES = ("embedded", "local", "prepared", *HUB, "mixture")
@@ -42,7 +42,7 @@ class DataConfig:
     )
     seq_len: int = 256
     tokenizer: str = (
-        "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json
+        "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json | HF folder
     )
     vocab_size: int = 0  # vocabulary of a trained tokenizer; 0 = model.vocab_size
     text_field: str = "text"  # jsonl / parquet column
@@ -130,11 +130,11 @@ class DataConfig:
             resolve_paths(self.path)
         if self.tokenizer != "train":
             path = Path(self.tokenizer).expanduser()
-            if not path.is_file():
+            if not path.exists():
                 raise ConfigError(
-                    f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a tokenizer.json or a .tiktoken file)"
+                    f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a tokenizer.json, a .tiktoken file or a Hugging Face tokenizer folder)"
                 )
-            if path.suffix not in (".model", ".json", ".tiktoken"):
+            if path.is_file() and path.suffix not in (".model", ".json", ".tiktoken"):
                 raise ConfigError(
                     f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a .tiktoken file"
                 )

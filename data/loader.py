@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 import torch
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
+from core.errors import ConfigError, check_choice, check_min, check_range
 from data.config import SOURCES, DataConfig
 from data.shards import (
     DEFAULT_SHARD_TOKENS,
@@ -43,7 +44,6 @@ from data.tokenizer import (
     get_tokenizer,
     load_tokenizer,
 )
-from model.errors import ConfigError, check_choice, check_min, check_range
 
 # data.build (and through it torch) is imported where used: spawned tokenising workers import
 # this module and should start in a fraction of a second.

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from data.files import fsync_dir
-from model.errors import ConfigError
+from core.errors import ConfigError
+from core.files import fsync_dir
 
 if TYPE_CHECKING:
     import torch

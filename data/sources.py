@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 _GLOB_CHARS = "*?["

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from core.errors import ConfigError
 from data.sources import _doc_name, _root, resolve_paths
-from model.errors import ConfigError
 
 LOCAL = "local"
 READ_BATCH = 256  # rows per datasets read; a restore re-reads at most one read batch

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from core.errors import ConfigError, check_min
 from data.sources import normalise_text
 from data.stream_sources import (
     HUB_SOURCES,
@@ -40,7 +41,6 @@ from data.stream_sources import (
     resolve_source,
 )
 from model.documents import document_mask, document_positions  # noqa: F401  (re-exported: the streams' doc ids feed them)
-from model.errors import ConfigError, check_min
 
 __all__ = [
     "HUB_SOURCES",

@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 
 FOCUS_PREFIX = "attn/focus/"
 FOCUS_FIRST = FOCUS_PREFIX + "max_group_share"

@@ -33,25 +33,18 @@ from pathlib import Path
 
 import torch
 
-from data.files import atomic_write_text
-from model.errors import ConfigError
+from core.errors import ConfigError
+from core.files import atomic_write_text
+from run import checkpoint as checkpoint_lib
 
 TASKS = ("ppl", "sample", "ppl_length", "attention_stats", "needle", "kv_retrieval", "rag")
 LONGBENCH_PREFIX = "longbench:"
 
 
 def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
-    from pretrain.checkpoint import latest_checkpoint
-
     if checkpoint:
-        path = Path(checkpoint)
-        if not path.is_dir():
-            raise ConfigError(f"--checkpoint: no such directory {checkpoint!r}")
-        return path
-    path = latest_checkpoint(Path(run))
-    if path is None:
-        raise ConfigError(f"--run: no complete checkpoint under {run}/checkpoints")
-    return path
+        return checkpoint_lib.resolve_checkpoint(checkpoint, key="--checkpoint")
+    return checkpoint_lib.resolve_checkpoint(str(run), key="--run")
 
 
 def held_out(cfg, tokenizer_dir: Path):
@@ -142,11 +135,7 @@ def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int
     }
 
 
-def _tokenizer_file(directory: Path) -> Path:
-    for path in [directory / "tokenizer.model", directory / "tokenizer.json", *sorted(directory.glob("*.tiktoken"))]:
-        if path.is_file():
-            return path
-    raise ConfigError(f"--checkpoint: {directory} holds no tokenizer.model, tokenizer.json or .tiktoken file")
+_tokenizer_file = checkpoint_lib.tokenizer_file
 
 
 def _numbers(raw: str, option: str, kind=float) -> list:
@@ -290,10 +279,10 @@ def main(argv: list[str] | None = None) -> int:
         depths = _numbers(args.depths, "--depths")
         context_lengths = _numbers(args.context_lengths, "--context-lengths", int) or None
         path = resolve_checkpoint(args.run, args.checkpoint)
+        from core.device import resolve_device
         from data.tokenizer import load_tokenizer
         from eval.generation import TextGenerator
-        from pretrain.checkpoint import load_model, load_trainer_state
-        from pretrain.engine import resolve_device
+        from run.checkpoint import load_model, load_trainer_state
 
         device = resolve_device(args.device)
         model, cfg = load_model(path, device=device, overrides=args.set)

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from core.errors import ConfigError, check_choice, check_min, check_range
 from eval.generation import Generator
 from eval.longbench_metrics import normalize_answer  # SQuAD normalisation, as HELMET uses
-from model.errors import ConfigError, check_choice, check_min, check_range
 
 Encode = Callable[[str], Sequence[int]]
 

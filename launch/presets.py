@@ -18,7 +18,7 @@ from pathlib import Path
 
 import tomli_w
 
-from data.files import atomic_write_text
+from core.files import atomic_write_text
 from model.attention import registry
 from model.config import PRESETS
 

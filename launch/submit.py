@@ -14,8 +14,8 @@ import sys
 import time
 from pathlib import Path
 
-from data.files import atomic_write_text
-from model.errors import ConfigError
+from core.errors import ConfigError
+from core.files import atomic_write_text
 
 TEMPLATE = Path(__file__).resolve().parent / "slurm" / "train.sbatch"
 MARKER = "# --- launch.submit writes its settings here ---"
@@ -142,7 +142,7 @@ def render(args: argparse.Namespace, cfg, procs: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        from pretrain.config import load_run_config
+        from run.config import load_run_config
 
         cfg = load_run_config(args.config, args.overrides)
         procs = _check(args, cfg)

@@ -11,7 +11,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from model.errors import ConfigError, check_choice, check_min, check_range
+from core import configlib
+from core.errors import ConfigError, check_choice, check_min, check_range
 
 FAMILIES = ("gpt2", "llama")
 
@@ -97,6 +98,7 @@ class ModelConfig:
     qk_norm: bool = False
     tie_embeddings: bool = False
     bias: bool = False
+    qkv_bias: bool = False  # biases on q, k and v only (Qwen2); model.bias puts them on every linear layer
     dropout: float = 0.0
     init_std: float = 0.02
     preset: str = ""
@@ -175,6 +177,17 @@ def preset_dict(name: str) -> dict[str, Any]:
 
 
 # ---- analytic counts ------------------------------------------------------------------
+
+
+def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
+    """``model`` table -> ModelConfig: the preset (if any) first, then every key the table sets."""
+    base = ModelConfig()
+    if data.get("preset", "") != "":  # "" (what a run without a preset resolves to) = no preset
+        if not isinstance(data["preset"], str):
+            raise ConfigError(f"model.preset: expected a string, got {data['preset']!r}")
+        for key, value in preset_dict(data["preset"]).items():
+            setattr(base, key, value)
+    return configlib.from_dict(ModelConfig, data, "model.", base=base)
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:

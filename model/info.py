@@ -11,14 +11,12 @@ import argparse
 import json
 import sys
 
-from model.config import count_parameters, flops_per_token, memory_estimate
-from model.errors import ConfigError
+from core.errors import ConfigError
+from core.configlib import apply_override
+from model.config import count_parameters, flops_per_token, memory_estimate, model_config_from_dict
 
 
 def model_info(preset: str, overrides: list[str], *, seq_len: int = 0, micro_batch: int = 1) -> dict:
-    from pretrain.config import model_config_from_dict
-    from pretrain.configlib import apply_override
-
     table: dict = {"preset": preset} if preset else {}
     for assignment in overrides:
         key = assignment.split("=", 1)[0]

@@ -48,9 +48,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
         d, hd = cfg.d_model, cfg.head_dim
-        self.wq = nn.Linear(d, self.n_heads * hd, bias=cfg.bias)
-        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.bias)
-        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=cfg.bias)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        self.wq = nn.Linear(d, self.n_heads * hd, bias=qkv_bias)
+        self.wk = nn.Linear(d, self.n_kv_heads * hd, bias=qkv_bias)
+        self.wv = nn.Linear(d, self.n_kv_heads * hd, bias=qkv_bias)
         self.wo = nn.Linear(self.n_heads * hd, d, bias=cfg.bias)
         self.q_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None

@@ -4,56 +4,38 @@ Layout: ``<run>/checkpoints/step_00000020/`` holding what the engine writes
 (model and optimizer), ``trainer.pt`` (step, tokens, scheduler, RNG, loader,
 fingerprints, resolved config) and ``meta.json``. A checkpoint is written
 under ``.tmp-step_...`` and renamed when complete, so a crash mid-write leaves
-only a temporary directory that ``latest_checkpoint`` never returns.
+only a temporary directory that ``latest_checkpoint`` never returns. Reading is ``run.checkpoint``'s.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
-import numpy as np
 import torch
 
-from data.files import fsync_dir
+from core.files import fsync_dir
 
-STEP_DIR = re.compile(r"^step_(\d{8,})$")
-TMP_PREFIX = ".tmp-"
-META = "meta.json"
-TRAINER_STATE = "trainer.pt"
-MODEL_FILE = "model.safetensors"  # consolidated weights (single engine; other engines export to it)
-
-
-def checkpoint_root(run_dir: Path) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
-
-
-def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint, oldest first."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for path in root.iterdir():
-        m = STEP_DIR.match(path.name)
-        if m and (path / META).is_file() and (path / TRAINER_STATE).is_file():
-            found.append((int(m.group(1)), path))
-    return sorted(found)
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = complete_checkpoints(run_dir)
-    return found[-1][1] if found else None
+# the read side lives a layer down (evaluation uses it too); the trainer sees one checkpoint API
+from run.checkpoint import (  # noqa: F401
+    META,
+    MODEL_FILE,
+    STEP_DIR,
+    TMP_PREFIX,
+    TRAINER_STATE,
+    checkpoint_root,
+    complete_checkpoints,
+    latest_checkpoint,
+    load_model,
+    load_trainer_state,
+    load_weights,
+    resolve_checkpoint,
+    step_dir_name,
+)
 
 
 def _fsync_tree(path: Path) -> None:
@@ -154,84 +136,6 @@ def _pid_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
-
-
-# ---- RNG ----------------------------------------------------------------------------
-# Stored as plain lists and tensors so ``torch.load(weights_only=True)`` accepts them.
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    state = {
-        "python": list(random.getstate()[1]),
-        "python_version": random.getstate()[0],
-        "python_gauss": random.getstate()[2],
-        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate((state["python_version"], tuple(state["python"]), state["python_gauss"]))
-    name, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:
-    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not).
-
-    ``new_attention_ok``: a retrofit (full-attention weights into a Focus model, say) may lack the
-    attention variant's own parameters (``*.core.*``); they keep their initialisation. Anything
-    else missing or unexpected is still an error.
-    """
-    from safetensors.torch import load_model as load_safetensors
-
-    from model.errors import ConfigError
-
-    try:
-        missing, unexpected = load_safetensors(model, str(Path(path) / MODEL_FILE), strict=False, device=str(device))
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})"
-        ) from None
-    missing = [name for name in missing if not (new_attention_ok and ".core." in name)]
-    if missing or unexpected:
-        detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
-        raise ConfigError(f"model: the weights in {path} do not fit this model config ({detail})")
-
-
-def load_model(path: Path, *, device: torch.device | str = "cpu", overrides: list[str] = ()):
-    """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights.
-
-    ``overrides`` are ``--set`` assignments applied to the saved config before the model is built,
-    e.g. ``model.attention.focus.mode=hard`` to evaluate a soft-trained Focus model sparsely.
-    """
-    import tomllib
-
-    from model.transformer import build_model
-    from pretrain import configlib
-    from pretrain.config import run_config_from_dict
-
-    path = Path(path)
-    if not (path / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
-    data = tomllib.loads(load_trainer_state(path)["config"])
-    for assignment in overrides:
-        configlib.apply_override(data, assignment)
-    cfg = run_config_from_dict(data)
-    model = build_model(cfg.model, device=device)
-    load_weights(model, path, device=device)
-    return model.eval(), cfg
 
 
 def untie(state: dict[str, torch.Tensor], model=None) -> dict[str, torch.Tensor]:

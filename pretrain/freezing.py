@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+    from run.config import TrainConfig
 
 
 def check_patterns(model: nn.Module, cfg: TrainConfig) -> None:

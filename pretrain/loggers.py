@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pretrain.config import LogConfig
+from run.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
 

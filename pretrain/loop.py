@@ -1,7 +1,7 @@
 """The training loop: step -> loss -> backward -> clip -> step -> log -> eval -> save.
 
 It never branches on the engine or the attention variant: engines sit behind
-``pretrain.engine`` and variants behind the attention registry.
+``pretrain.engines`` and variants behind the attention registry.
 """
 
 from __future__ import annotations
@@ -14,20 +14,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.errors import ConfigError
+from core.files import atomic_write_text
+from core.rng import rng_state, set_rng_state
 from data.build import Corpus, build_corpus
-from data.files import atomic_write_text
 from data.loader import BatchLoader, StreamBatchLoader, eval_batches
 from eval.perplexity import mean_loss, perplexity
 from model.config import flops_per_token
-from model.errors import ConfigError
 from model.transformer import build_model
 from pretrain import checkpoint as ckpt
-from pretrain.config import RunConfig
-from pretrain.engine import Engine, build_engine, prepare_device, rank_zero_first
+from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_first
 from pretrain.freezing import apply_trainable, check_patterns
 from pretrain.loggers import Loggers, Stopwatch, format_duration
 from pretrain.metrics import memory_gib, peak_flops
 from pretrain.signals import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, PreemptionHandler
+from run.config import RunConfig
 
 
 @dataclass
@@ -149,7 +150,7 @@ class Trainer:
         return {
             "step": self.step,
             "tokens": self.tokens,
-            "rng": self.engine.gather_object(ckpt.rng_state()),  # one per rank
+            "rng": self.engine.gather_object(rng_state()),  # one per rank
             "world_size": self.engine.world_size,
             "loader": self.engine.gather_object(self.loader.state_dict()),  # one per rank (a stream's differ)
             "data_fingerprint": self.corpus.fingerprint,
@@ -160,12 +161,7 @@ class Trainer:
 
     def _init_from(self, source: str) -> None:
         """Continue training another run's weights (context extension, retrofits): model only."""
-        path = Path(source)
-        path = ckpt.latest_checkpoint(path) if (path / "checkpoints").is_dir() else path
-        if path is None or not (path / ckpt.MODEL_FILE).is_file():
-            raise ConfigError(
-                f"train.init_from: {source!r} is neither a complete checkpoint nor a run directory with one"
-            )
+        path = ckpt.resolve_checkpoint(source, key="train.init_from")
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
@@ -191,7 +187,7 @@ class Trainer:
         self.loader.load_state_dict(state["loader"])
         rng = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
         # same world size: each rank its own generators; resharded: every rank takes rank 0's
-        ckpt.set_rng_state(rng[self.engine.rank] if len(rng) == self.engine.world_size else rng[0])
+        set_rng_state(rng[self.engine.rank] if len(rng) == self.engine.world_size else rng[0])
         self.step, self.tokens = state["step"], state["tokens"]
         self.loggers.truncate_after(self.step)
         self._say(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")

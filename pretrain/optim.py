@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+    from run.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

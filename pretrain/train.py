@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from model.errors import ConfigError
-from pretrain.config import load_run_config
+from core.errors import ConfigError
+from run.config import load_run_config
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from core.errors import ConfigError, check_choice, check_min
 from model.attention.base import KVCache, LayerSpec, SuiteCase, register_attention
 from model.attention.full import FullAttention
-from model.errors import ConfigError, check_choice, check_min
 
 MODES = ("constant", "learned")
 SCOPES = ("query", "prefix_mean", "sequence_mean")

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, register_attention
 from model.attention.flex import flex_attention_fn, flex_available
 from model.documents import document_mask
-from model.errors import ConfigError, check_choice
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
 _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None

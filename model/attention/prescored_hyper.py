@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from core.errors import check_choice, check_min, check_range
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
-from model.errors import check_choice, check_min, check_range
 
 SCORINGS = ("kmeans", "kmedian", "leverage")
 _EMPTY = -1e4  # logsumexp of a row with no key: exp(_EMPTY - real lse) is 0 in every float type

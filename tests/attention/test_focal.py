@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
 from model.attention.focal import FocalConfig
 from model.config import ModelConfig
-from model.errors import ConfigError
 from model.transformer import Transformer
 
 

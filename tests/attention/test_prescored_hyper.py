@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.attention import KVCache, LayerSpec, build_attention
 from model.attention import reference as ref
 from model.attention.prescored_hyper import (
@@ -17,7 +18,6 @@ from model.attention.prescored_hyper import (
     cluster_scores,
     leverage_scores,
 )
-from model.errors import ConfigError
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
 SMALL = dict(block_size=8, min_seq_len=16, min_keys=4, lsh_bits=4)

@@ -5,12 +5,12 @@ import random
 import numpy as np
 import pytest
 
+from core.errors import ConfigError
 from data.build import build_corpus, split_documents, unigram_entropy
 from data.config import DataConfig
 from data.embedded import iter_embedded
 from data.sources import Document
 from data.tokenizer import train_sentencepiece
-from model.errors import ConfigError
 
 
 def write_corpus(folder, n_docs=6, words=600):

@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import ConfigError
 from data.loader import BatchLoader, eval_batches
 from data.packing import PackedDataset
-from model.errors import ConfigError
 
 
 def dataset(n=40, t=3):

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.errors import ConfigError
 from data.build import _content_hash, split_documents
 from data.packing import PackedDataset, pack_documents
 from data.prepare import PrepareConfig, prepare
@@ -24,7 +25,6 @@ from data.shards import (
 )
 from data.sources import iter_local
 from data.tokenizer import load_tokenizer, train_sentencepiece
-from model.errors import ConfigError
 from tests.conftest import REPO
 
 WORDS = ["thou", "art", "the", "king", "of", "night", "and", "day", "sweet", "love", "hath", "not", "a", "word", "more"]

@@ -6,10 +6,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from core.errors import ConfigError
 from data.config import DataConfig
 from data.embedded import iter_embedded
 from data.sources import iter_documents, iter_local, resolve_paths
-from model.errors import ConfigError
 
 
 def test_bom_and_crlf_are_normalised(tmp_path):

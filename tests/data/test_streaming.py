@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from core.errors import ConfigError
 from data import stream_sources
 from data.streaming import (
     HUB_SOURCES,
@@ -28,7 +29,6 @@ from data.streaming import (
     document_positions,
     token_counts,
 )
-from model.errors import ConfigError
 
 
 class ByteTokenizer:

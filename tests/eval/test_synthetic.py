@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError
 from eval import synthetic as S
 from eval.plots import plot_group_sizes, plot_loss_curves, plot_needle_heatmap
-from model.errors import ConfigError
 
 KINDS = S.NEEDLE_KINDS
 WORD = re.compile(r"\w+|[^\w\s]")

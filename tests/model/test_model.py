@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.config import PRESETS, ModelConfig, count_parameters, flops_per_token, preset_dict
-from model.errors import ConfigError
 from model.transformer import Transformer
 from tests.conftest import REPO
 

@@ -8,8 +8,8 @@ import warnings
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.config import ModelConfig, RopeConfig
-from model.errors import ConfigError
 from model.rope import RotaryEmbedding, rope_parameters
 from model.transformer import Transformer
 

@@ -10,8 +10,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pretrain.config import TrainConfig
-from pretrain.engine import build_engine
+from pretrain.engines import build_engine
+from run.config import TrainConfig
 
 CFG = dict(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4)
 
@@ -76,7 +76,7 @@ def test_checkpointing_is_off_for_evaluation_and_cached_decoding(monkeypatch):
 
 
 def test_bad_mode_is_a_one_line_error():
-    from model.errors import ConfigError
+    from core.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.activation_checkpointing"):
         TrainConfig(activation_checkpointing="some").validate()

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from core.rng import rng_state, set_rng_state
 from pretrain import checkpoint as ckpt
 
 
@@ -45,11 +46,11 @@ def test_resaving_a_step_replaces_it(tmp_path):
 
 def test_rng_state_round_trips_under_weights_only(tmp_path):
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
-    state = ckpt.rng_state()
+    state = rng_state()
     ckpt.save_checkpoint(tmp_path, 1, write_engine_state=_writer(b""), trainer_state={"rng": state}, keep=0)
     expected = (random.random(), np.random.rand(), torch.rand(1).item())
     loaded = ckpt.load_trainer_state(ckpt.latest_checkpoint(tmp_path))  # weights_only=True inside
-    ckpt.set_rng_state(loaded["rng"])
+    set_rng_state(loaded["rng"])
     assert (random.random(), np.random.rand(), torch.rand(1).item()) == expected
 
 

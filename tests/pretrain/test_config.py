@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from model.errors import ConfigError
-from pretrain import configlib
-from pretrain.config import load_run_config, run_config_from_dict
+from core import configlib
+from core.errors import ConfigError
+from run.config import load_run_config, run_config_from_dict
 from tests.conftest import REPO
 
 TINY = REPO / "launch" / "configs" / "tiny.toml"
@@ -93,7 +93,7 @@ def test_missing_config_file():
 def test_a_resolved_config_without_a_preset_loads_back():
     import tomllib
 
-    from pretrain.config import run_config_from_dict
+    from run.config import run_config_from_dict
 
     cfg = run_config_from_dict({"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 128}})
     assert cfg.model.preset == ""

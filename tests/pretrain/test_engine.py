@@ -3,10 +3,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from core.device import autocast_dtype
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pretrain.config import TrainConfig
-from pretrain.engine import autocast_dtype, build_engine
+from pretrain.engines import build_engine
+from run.config import TrainConfig
 
 
 def engine(precision="fp32", seed=0, dtype=torch.float32):

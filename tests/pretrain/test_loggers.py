@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import json
 
-from pretrain.config import LogConfig
 from pretrain.loggers import Loggers, MetricsFile
+from run.config import LogConfig
 
 
 def test_metrics_file_truncates_past_the_restored_step(tmp_path):

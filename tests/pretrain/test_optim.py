@@ -7,8 +7,8 @@ import torch
 
 from model.config import ModelConfig
 from model.transformer import Transformer
-from pretrain.config import TrainConfig
 from pretrain.optim import build_optimizer, build_scheduler, lr_multiplier, param_groups
+from run.config import TrainConfig
 
 
 def test_cosine_with_warmup_and_floor_by_hand():

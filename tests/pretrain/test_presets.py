@@ -9,7 +9,7 @@ import pytest
 
 from launch.presets import files
 from model.attention import registry
-from pretrain.config import load_run_config
+from run.config import load_run_config
 from tests.conftest import REPO
 
 CONFIGS = sorted(files())

@@ -1,17 +1,15 @@
-"""Engine adapters: the one place that knows how a model is wrapped, stepped and saved.
+"""The engine protocol: the one place that knows how a model is wrapped, stepped and saved.
 
 The loop calls the same few methods whatever the engine: ``micro_step`` for
 forward+backward (gradient sync only on the last micro-batch), ``optimizer_step``
 (clip, step, schedule), ``write_state`` / ``read_state`` for checkpoints, and
-``all_reduce_sum`` for global counts. ``single`` is one process on one device;
-``ddp`` and ``fsdp2`` (``pretrain/parallel.py``) and ``deepspeed``
-(``pretrain/deepspeed_engine.py``) register here with the same surface.
+``all_reduce_sum`` for global counts. Implementations: ``single.py``, ``parallel.py``
+(ddp, fsdp2), ``deepspeed.py``; the registry is ``pretrain.engines``.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -19,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
+from core.device import autocast_dtype
 from model.transformer import Transformer
-from pretrain.checkpoint import MODEL_FILE, load_weights
 from pretrain.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+    from run.config import TrainConfig
 
 
 @dataclass
@@ -33,19 +31,6 @@ class MicroStepOut:
     n_tokens: int
     aux_loss: Tensor | None = None  # detached
     stats: dict[str, Tensor] = field(default_factory=dict)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
-    """None = full fp32. ``auto`` is bf16 autocast on CUDA and fp32 on CPU."""
-    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
-        return torch.bfloat16
-    return None
 
 
 def prepare_blocks(model: Transformer, cfg: TrainConfig) -> None:
@@ -148,79 +133,3 @@ class Engine:
 
     def read_state(self, directory: Path) -> None:
         raise NotImplementedError
-
-
-class SingleEngine(Engine):
-    """One process, one device. Model weights as safetensors, optimizer + schedule as a torch file."""
-
-    name = "single"
-
-    def write_state(self, directory: Path) -> None:
-        from safetensors.torch import save_model
-
-        save_model(self.raw_model, str(directory / MODEL_FILE))
-        torch.save(
-            {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-            directory / "optimizer.pt",
-        )
-
-    def read_state(self, directory: Path) -> None:
-        load_weights(self.raw_model, directory, device=self.device)
-        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-
-
-def _ddp(*args) -> Engine:
-    from pretrain.parallel import DDPEngine
-
-    return DDPEngine(*args)
-
-
-def _fsdp2(*args) -> Engine:
-    from pretrain.parallel import FSDP2Engine
-
-    return FSDP2Engine(*args)
-
-
-def _deepspeed(*args) -> Engine:
-    from pretrain.deepspeed_engine import DeepSpeedEngine
-
-    return DeepSpeedEngine(*args)
-
-
-ENGINES: dict[str, Callable[..., Engine]] = {
-    "single": SingleEngine,
-    "ddp": _ddp,
-    "fsdp2": _fsdp2,
-    "deepspeed": _deepspeed,
-}
-
-
-@contextlib.contextmanager
-def rank_zero_first():
-    """Rank 0 runs the block first (training a tokenizer, writing caches), the others then read
-    what it wrote, so every rank tokenises with the same model. A no-op in one process."""
-    import torch.distributed as dist
-
-    active = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    if active and dist.get_rank() != 0:
-        dist.barrier()
-    try:
-        yield
-    finally:
-        if active and dist.get_rank() == 0:
-            dist.barrier()
-
-
-def prepare_device(cfg: TrainConfig) -> torch.device:
-    """This process's device; for the data-parallel engines, after joining the process group."""
-    if cfg.engine == "single":
-        return resolve_device(cfg.device)
-    from pretrain.parallel import init_process_group
-
-    return init_process_group(cfg)
-
-
-def build_engine(model: Transformer, cfg: TrainConfig, device: torch.device) -> Engine:
-    return ENGINES[cfg.engine](model, cfg, device)

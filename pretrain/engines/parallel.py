@@ -20,12 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from model.errors import ConfigError
+from core.device import resolve_device
+from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
-from pretrain.engine import Engine, resolve_device
+from pretrain.engines.base import Engine
 
 if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+    from run.config import TrainConfig
 
 DCP_DIR = "dcp"
 SCHEDULER_FILE = "scheduler.pt"
@@ -56,10 +57,6 @@ class DataParallelEngine(Engine):
     def __init__(self, model, cfg: TrainConfig, device: torch.device):
         if not dist.is_initialized():
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
-        if cfg.unfreeze_at:
-            raise ConfigError(
-                f"train.unfreeze_at: not supported with train.engine={cfg.engine} (the trainable set is fixed when the model is wrapped); use train.engine=single"
-            )
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_average_ranks = self.world_size
         super().__init__(model, cfg, device)

@@ -20,14 +20,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
-from pretrain.engine import MicroStepOut, prepare_blocks
+from pretrain.engines.base import MicroStepOut, prepare_blocks
+from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine
 from pretrain.optim import build_optimizer, build_scheduler
-from pretrain.parallel import SCHEDULER_FILE, DataParallelEngine
 
 if TYPE_CHECKING:
-    from pretrain.config import TrainConfig
+    from run.config import TrainConfig
 
 DS_TAG = "ds"
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "deepspeed" / "zero.json"
@@ -68,10 +68,6 @@ class DeepSpeedEngine(DataParallelEngine):
         if not dist.is_initialized():
             raise ConfigError(
                 "train.engine: deepspeed needs the process group (start it with torchrun or the deepspeed launcher)"
-            )
-        if cfg.unfreeze_at:
-            raise ConfigError(
-                "train.unfreeze_at: not supported with train.engine=deepspeed (the trainable set is fixed when the model is wrapped); use train.engine=single"
             )
         if cfg.compile:
             raise ConfigError(

@@ -1,0 +1,32 @@
+"""The one error type for bad user input, shared by every package.
+
+A ConfigError's message is a single line that names the offending field
+(``data.path``, ``model.n_heads`` ...) and says what is allowed; the CLIs
+print it without a traceback and exit with status 2.
+"""
+
+
+class ConfigError(ValueError):
+    """Invalid configuration or input, detected before any work starts."""
+
+
+def check_choice(key: str, value: object, allowed) -> None:
+    """``key`` must be one of ``allowed``."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, allowed))}")
+
+
+def check_min(key: str, value: float, minimum: float, *, strict: bool = False, note: str = "") -> None:
+    """``key`` must be >= ``minimum`` (or > with ``strict``)."""
+    if value < minimum or (strict and value == minimum):
+        raise ConfigError(f"{key}: must be {'>' if strict else '>='} {minimum}{note}, got {value}")
+
+
+def check_range(
+    key: str, value: float, low: float, high: float, *, open_low: bool = False, open_high: bool = False
+) -> None:
+    """``key`` must lie in the interval from ``low`` to ``high`` (closed unless said open)."""
+    if value < low or value > high or (open_low and value == low) or (open_high and value == high):
+        interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
+        raise ConfigError(f"{key}: must be in {interval}, got {value}")

@@ -1,0 +1,566 @@
+"""Focus hard mode, exact and fast (paper appendix E.4), for any top_k.
+
+The hard mask: query i attends key j iff j <= i and (i - j < window or their group memberships intersect). Its pairs
+split into disjoint parts; each part is one attention call returning (output, logsumexp), and the parts merge exactly
+by logsumexp. The dense masked reference stays in ``focus.py``; ``group_sparse.hard_attention`` is the batched dense
+decomposition kept for devices without these kernels.
+
+CPU, ``cpu_hard_attention``: every part is a call of the fused CPU flash kernel
+(``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the logsumexp).
+- Group c, per sequence: c's members in position order (picking them in order is the stable sort by group). For a
+  sequence from position 0 (training, prefill) the kernel's own causal mask on the sorted members is causal masking on
+  original positions, so a group is one unmasked call over about top_k * T / K tokens. With top_k > 1 a pair sharing
+  several groups is counted once, in its lowest shared group: group c drops pairs that also share a lower group, with
+  an additive mask built per chunk of queries (O(chunk x members), never O(T^2)). Chunked prefill onto a cache does
+  the same with causal masking on positions.
+- The cross-group local band (i - j < window, no shared group): query blocks of ``window`` rows against the
+  2 * ``window`` keys before them, as strided views of q, k and v (no copies) in chunks of blocks, masked.
+- Backward: the kernel's backward of each part, given the merged output O and logsumexp L of the whole row
+  (P_ij = exp(s_ij - L_i) and D_i = dO_i . O_i are then the full row's), so the parts' gradients add up exactly.
+Memory: the output, one group's gathered q/k/v and one mask chunk: O(T * D + T / K * D + chunk), not O(T^2).
+
+Decode, ``decode_hard_attention``: the new token reads the window (every pair inside it is allowed) and, farther
+back, only the members of its own groups, from per-group index lists kept with the KV cache (``GroupLists``); with
+top_k > 1 a key found in several of the query's groups is taken once. Per-token cost is about w + top_k * T / K keys.
+
+GPU, ``flex_hard_attention``: the same two parts as two FlexAttention calls. Group part: tokens sorted by group into
+one sequence of top_k * T slots (a token in k groups has k slots), mask ``same group & causal(original positions) &
+lowest shared group``, block mask built from the group counts (each query block's key blocks are the span of its
+groups' causal ranges; blocks wholly inside one group and causally complete are full). Band part: original order,
+mask ``causal & i - j < window & no shared group``, a sliding-window block mask that depends only on the shape and is
+cached and shared by every layer. Neither block mask is ever expanded to tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.flex import cached_block_mask, flex_attention_fn
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+MASK_ELEMENTS = 1 << 20  # entries of one additive mask chunk (4 MiB in float32)
+NEG_INF = float("-inf")
+
+
+def cpu_kernel_dtypes() -> tuple[torch.dtype, ...]:
+    return (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+# ---- selectors: which rows of a [B, H, T, ...] tensor one kernel call reads ------------------------------------
+class _Rows:
+    """Rows ``idx`` of sequence ``b``: one problem, [1, H, L, ...] (a gathered copy)."""
+
+    def __init__(self, b: int, idx: Tensor):
+        self.b, self.idx = b, idx
+
+    def take(self, x: Tensor) -> Tensor:
+        return x[self.b].index_select(1, self.idx).unsqueeze(0)
+
+    def put(self, dst: Tensor, val: Tensor) -> None:
+        dst[self.b].index_copy_(1, self.idx, val[0].to(dst.dtype))
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        dst[self.b].index_add_(1, self.idx, val[0].to(dst.dtype))
+
+
+class _Range:
+    """Rows [lo, hi) of sequence ``b``: one problem, [1, H, hi - lo, ...] (a view)."""
+
+    def __init__(self, b: int, lo: int, hi: int):
+        self.b, self.lo, self.hi = b, lo, hi
+
+    def take(self, x: Tensor) -> Tensor:
+        return x[self.b : self.b + 1, :, self.lo : self.hi]
+
+    def put(self, dst: Tensor, val: Tensor) -> None:
+        self.take(dst).copy_(val)
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        self.take(dst).add_(val.to(dst.dtype))
+
+
+class _Blocks:
+    """``n`` consecutive blocks of ``w`` rows from ``start`` of sequence ``b``: n problems, [n, H, w, ...] (a view)."""
+
+    def __init__(self, b: int, start: int, n: int, w: int):
+        self.b, self.start, self.n, self.w = b, start, n, w
+
+    def take(self, x: Tensor) -> Tensor:
+        return x[self.b, :, self.start : self.start + self.n * self.w].unflatten(1, (self.n, self.w)).transpose(0, 1)
+
+    def put(self, dst: Tensor, val: Tensor) -> None:
+        self.take(dst).copy_(val)
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        self.take(dst).add_(val.to(dst.dtype))
+
+
+class _Windows:
+    """``n`` windows of ``2 w`` rows starting at ``start + j w`` (j < n) of sequence ``b``: [n, H, 2w, D], an
+    overlapping view. Gradients add as two non-overlapping block views (each window's halves)."""
+
+    def __init__(self, b: int, start: int, n: int, w: int):
+        self.b, self.start, self.n, self.w = b, start, n, w
+
+    def take(self, x: Tensor) -> Tensor:
+        span = x[self.b, :, self.start : self.start + (self.n + 1) * self.w]
+        return span.unfold(1, 2 * self.w, self.w).permute(1, 0, 3, 2)
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        _Blocks(self.b, self.start, self.n, self.w).add(dst, val[:, :, : self.w])
+        _Blocks(self.b, self.start + self.w, self.n, self.w).add(dst, val[:, :, self.w :])
+
+
+@dataclass
+class _Part:
+    q: Any  # selector of query rows
+    k: Any  # selector of key / value rows
+    causal: bool  # the kernel's own (top-left) causal mask; exact when query rows == key rows, in order
+    mask: Tensor | None = None  # additive, broadcastable to [N, H, Lq, Lk]
+    nonempty: Tensor | None = None  # [N, 1, Lq]: rows with at least one allowed key (None: all)
+    exclusive: bool = False  # the only part of these rows so far (written, not merged)
+
+
+def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, NEG_INF)
+
+
+# ---- the plan: the disjoint parts of one call ------------------------------------------------------------------
+class HardPlan:
+    """The parts of the hard mask for queries at positions [start, start + Tq) over keys [0, start + Tq)."""
+
+    def __init__(self, bits_q: Tensor, bits_k: Tensor, *, start: int, window: int, n_groups: int, top_k: int):
+        self.bits_q, self.bits_k = bits_q, bits_k
+        self.start, self.window, self.n_groups, self.top_k = start, window, n_groups, top_k
+        self.tq, self.tk = bits_q.shape[1], bits_k.shape[1]
+        if self.start + self.tq != self.tk:
+            raise ValueError(f"queries at [{start}, {start + self.tq}) must end the {self.tk} keys")
+
+    def parts(self, dtype: torch.dtype) -> Iterator[_Part]:
+        for b in range(self.bits_q.shape[0]):
+            yield from self._group_parts(b, dtype)
+        for b in range(self.bits_q.shape[0]):
+            yield from self._band_parts(b, dtype)
+
+    def _group_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
+        aligned = self.start == 0  # queries == keys: sorted order is causal order for both
+        bq, bk = self.bits_q[b], self.bits_k[b]
+        for c in range(self.n_groups):
+            ik = torch.nonzero((bk >> c) & 1).squeeze(1)  # c's members, in position order
+            if ik.numel() == 0:
+                continue
+            iq = ik if aligned else torch.nonzero((bq >> c) & 1).squeeze(1)
+            if iq.numel() == 0:
+                continue
+            dedup = self.top_k > 1 and c > 0
+            if dedup:  # pairs also sharing a group below c were counted there
+                lower = (1 << c) - 1
+                lk, lq = bk[ik] & lower, bq[iq] & lower
+                dedup = bool(lk.any()) and bool(lq.any())
+            exclusive = self.top_k == 1
+            if aligned and not dedup:
+                yield _Part(_Rows(b, iq), _Rows(b, ik), causal=True, exclusive=exclusive)
+                continue
+            q_pos = iq + self.start
+            rows = max(16, MASK_ELEMENTS // ik.numel())
+            for a in range(0, iq.numel(), rows):
+                e = min(a + rows, iq.numel())
+                n_keys = e if aligned else int(torch.searchsorted(ik, q_pos[e - 1], right=True))
+                if n_keys == 0:
+                    continue
+                keys = ik[:n_keys]
+                allowed = keys[None, :] <= q_pos[a:e, None]
+                if dedup:
+                    allowed &= (lq[a:e, None] & lk[None, :n_keys]) == 0
+                yield _Part(
+                    _Rows(b, iq[a:e]),
+                    _Rows(b, keys),
+                    causal=False,
+                    mask=_additive(allowed, dtype)[None, None],
+                    nonempty=allowed.any(-1)[None, None],
+                    exclusive=exclusive,
+                )
+
+    def _band_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
+        """Pairs with i - j < w sharing no group: blocks of w queries against the 2w keys before their ends."""
+        w, p0, tq = self.window, self.start, self.tq
+        bq, bk = self.bits_q[b], self.bits_k[b]
+        n_full = tq // w
+        first = 0 if p0 >= w else 1  # block j reads keys from p0 + (j - 1) w, which must be >= 0
+        ranges = [(0, w)] if first == 1 and n_full >= 1 else []
+        if n_full > first:
+            r = torch.arange(w, device=bq.device)
+            s = torch.arange(2 * w, device=bq.device)
+            local = (s[None, :] > r[:, None]) & (s[None, :] <= r[:, None] + w)  # key p0+(j-1)w+s for query p0+jw+r
+            per_chunk = max(1, MASK_ELEMENTS // (2 * w * w))
+            for j in range(first, n_full, per_chunk):
+                n = min(per_chunk, n_full - j)
+                qbits = bq[j * w : (j + n) * w].view(n, w)
+                kbits = bk[p0 + (j - 1) * w : p0 + (j + n) * w].unfold(0, 2 * w, w)  # [n, 2w]
+                allowed = local & ((qbits[:, :, None] & kbits[:, None, :]) == 0)
+                yield _Part(
+                    _Blocks(b, j * w, n, w),
+                    _Windows(b, p0 + (j - 1) * w, n, w),
+                    causal=False,
+                    mask=_additive(allowed, dtype)[:, None],
+                    nonempty=allowed.any(-1)[:, None],
+                )
+        if n_full * w < tq:
+            ranges.append((n_full * w, tq))
+        for lo, hi in ranges:
+            k_lo, k_hi = max(0, p0 + lo - w + 1), p0 + hi
+            q_pos = torch.arange(p0 + lo, p0 + hi, device=bq.device)
+            dist = q_pos[:, None] - torch.arange(k_lo, k_hi, device=bq.device)[None, :]
+            allowed = (dist >= 0) & (dist < w) & ((bq[lo:hi, None] & bk[None, k_lo:k_hi]) == 0)
+            yield _Part(
+                _Range(b, lo, hi),
+                _Range(b, k_lo, k_hi),
+                causal=False,
+                mask=_additive(allowed, dtype)[None, None],
+                nonempty=allowed.any(-1)[None, None],
+            )
+
+
+# ---- forward, backward, merge ------------------------------------------------------------------------------------
+def _merge(sel, out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
+    cur = sel.take(lse)
+    new = torch.logaddexp(cur, lse_part)
+    ref = new.masked_fill(new == NEG_INF, 0.0)  # rows with nothing yet stay at zero
+    acc = sel.take(out) * torch.exp(cur - ref)[..., None] + o * torch.exp(lse_part - ref)[..., None]
+    sel.put(out, acc)
+    sel.put(lse, new)
+
+
+def _forward(q: Tensor, k: Tensor, v: Tensor, plan: HardPlan, scale: float) -> tuple[Tensor, Tensor]:
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    b, h, tq, d = q.shape
+    out = torch.zeros(b, h, tq, d, dtype=cdt, device=q.device)
+    lse = torch.full((b, h, tq), NEG_INF, dtype=cdt, device=q.device)
+    for part in plan.parts(q.dtype):
+        o, lse_part = _FWD(
+            part.q.take(q), part.k.take(k), part.k.take(v), 0.0, part.causal, attn_mask=part.mask, scale=scale
+        )
+        if part.nonempty is not None:  # the kernel gives a row with no key lse 0, not -inf
+            lse_part = lse_part.masked_fill(~part.nonempty, NEG_INF)
+        if part.exclusive:
+            part.q.put(out, o)
+            part.q.put(lse, lse_part)
+        else:
+            _merge(part.q, out, lse, o.to(cdt), lse_part.to(cdt))
+    return out, lse
+
+
+def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    cdt = out.dtype
+    dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
+    dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
+    dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
+    dout, out_q = dout.to(q.dtype), out.to(q.dtype)
+    lse = lse.to(torch.promote_types(q.dtype, torch.float32))
+    for part in plan.parts(q.dtype):
+        gq, gk, gv = _BWD(
+            part.q.take(dout),
+            part.q.take(q),
+            part.k.take(k),
+            part.k.take(v),
+            part.q.take(out_q),
+            part.q.take(lse),
+            0.0,
+            part.causal,
+            attn_mask=part.mask,
+            scale=scale,
+        )
+        part.q.add(dq, gq)
+        part.k.add(dk, gk)
+        part.k.add(dv, gv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _HardAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale):
+        out, lse = _forward(q, k, v, plan, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.scale = plan, scale
+        return out.to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        return (*_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
+
+
+def cpu_hard_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bits_q: Tensor,
+    bits_k: Tensor,
+    window: int,
+    scale: float,
+    n_groups: int,
+    top_k: int,
+) -> Tensor:
+    """Exact hard-mode attention on the fused CPU kernel, with gradients.
+
+    q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] (GQA: H a multiple of Hkv); the queries are the last Tq of the Tk tokens
+    (training and prefill: Tq == Tk; chunked prefill and decode onto a cache). bits_q [B, Tq], bits_k [B, Tk]: group
+    membership bitmasks. Returns [B, H, Tq, D] in q's dtype.
+    """
+    plan = HardPlan(bits_q, bits_k, start=k.shape[2] - q.shape[2], window=window, n_groups=n_groups, top_k=top_k)
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
+        return _HardAttention.apply(q, k, v, plan, scale)
+    return _forward(q, k, v, plan, scale)[0].to(q.dtype)
+
+
+# ---- decode: per-group index lists in the KV cache ----------------------------------------------------------------
+class GroupLists:
+    """Per (sequence, group): the positions of the group's members so far, ascending (the hard-mode KV cache)."""
+
+    def __init__(self, batch: int, n_groups: int, device: torch.device | str, capacity: int = 256):
+        self.n_groups = n_groups
+        self.index = torch.zeros(batch, n_groups, capacity, dtype=torch.long, device=device)
+        self.count = torch.zeros(batch, n_groups, dtype=torch.long, device=device)
+        self.length = 0  # tokens appended
+
+    def append(self, bits: Tensor) -> None:
+        """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
+        member = ((bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1).bool()  # [B, t, K]
+        added = member.sum(1)
+        need = int((self.count + added).max()) if member.numel() else 0
+        if need > self.index.shape[2]:
+            grown = self.index.new_zeros(*self.index.shape[:2], max(need, 2 * self.index.shape[2]))
+            grown[:, :, : self.index.shape[2]] = self.index
+            self.index = grown
+        slot = self.count[:, None, :] + member.long().cumsum(1) - 1  # [B, t, K]
+        b, i, c = member.nonzero(as_tuple=True)
+        self.index[b, c, slot[b, i, c]] = self.length + i
+        self.count += added
+        self.length += bits.shape[1]
+
+    def members(self, b: int, c: int, count: int) -> Tensor:
+        return self.index[b, c, :count]
+
+
+def decode_hard_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bits_q: Tensor,
+    bits_k: Tensor,
+    lists: GroupLists,
+    window: int,
+    scale: float,
+) -> Tensor:
+    """One new token per sequence (q [B, H, 1, D], the last of the Tk cached keys): exact hard attention reading the
+    window and the far members of the token's groups only. Any device; SDPA does the attention."""
+    b_size, tk = q.shape[0], k.shape[2]
+    p = tk - 1
+    lo = max(0, p - window + 1)  # keys [lo, p] are inside the window: all allowed
+    counts = lists.count.tolist()
+    near = torch.arange(lo, tk, device=q.device)
+    outs = []
+    for b in range(b_size):
+        own = int(bits_q[b, 0])
+        far = []
+        for c in range(lists.n_groups):
+            if not (own >> c) & 1:
+                continue
+            idx = lists.members(b, c, counts[b][c])
+            idx = idx[: int(torch.searchsorted(idx, lo))]  # members before the window
+            lower = own & ((1 << c) - 1)
+            if lower and idx.numel():  # a key also in a lower group of the query was taken there
+                idx = idx[(bits_k[b, idx] & lower) == 0]
+            far.append(idx)
+        keys = torch.cat([*far, near])
+        kb, vb = k[b].index_select(1, keys)[None], v[b].index_select(1, keys)[None]
+        outs.append(F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1]))
+    return torch.cat(outs, 0)
+
+
+# ---- GPU: two FlexAttention calls -----------------------------------------------------------------------------------
+FLEX_BLOCK = 128
+
+
+def _group_layout(bits: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """Slots sorted by (group, position): (token index [B, N], group [B, N]), N = top_k * T for every sequence."""
+    member = ((bits[:, None, :] >> torch.arange(n_groups, device=bits.device)[None, :, None]) & 1).bool()  # [B, K, T]
+    nz = member.nonzero()  # sorted by (b, c, t)
+    n = nz.shape[0] // bits.shape[0]
+    nz = nz.view(bits.shape[0], n, 3)
+    return nz[..., 2], nz[..., 1]
+
+
+def group_block_mask_tensors(
+    group_q: Tensor, pos_q: Tensor, group_k: Tensor, pos_k: Tensor, *, full_ok: bool, block: int = FLEX_BLOCK
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block structure of the group call from the group counts: (kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices), shapes [B, 1, nq] and [B, 1, nq, nk].
+
+    Query slot (c, position p) attends key slots of group c with position <= p: the slot range
+    [start_c, start_c + count of c's keys at positions <= p). A query block's key blocks are the span of its slots'
+    ranges; a key block is full when the query block is all one group, the key block lies inside that group's range
+    and precedes the query block's first position (and ``full_ok``: no lowest-shared-group masking).
+    """
+    bsz, nq_slots = group_q.shape
+    nk_slots = group_k.shape[1]
+    n_groups = int(max(int(group_q.max()), int(group_k.max()))) + 1
+    dev = group_q.device
+    counts_k = torch.zeros(bsz, n_groups, dtype=torch.long, device=dev).scatter_add_(
+        1, group_k, torch.ones_like(group_k)
+    )
+    starts_k = torch.cumsum(counts_k, 1) - counts_k  # [B, K]
+    # keys of group c at positions <= p: the number of c's key slots with pos <= p, by a searchsorted per group
+    slot_start = starts_k.gather(1, group_q)  # [B, Nq]
+    # key slot positions are ascending within a group: search p in the (group, position) order as one key g * P + p
+    big = int(max(int(pos_q.max()), int(pos_k.max()))) + 1
+    key_order = group_k * big + pos_k  # ascending along slots
+    hi = torch.searchsorted(key_order, group_q * big + pos_q, right=True)  # [B, Nq]: one past the last allowed key
+    nq = (nq_slots + block - 1) // block
+    nk = (nk_slots + block - 1) // block
+    pad = nq * block - nq_slots
+
+    def per_block(x: Tensor, fill: int, reduce: str) -> Tensor:
+        x = F.pad(x, (0, pad), value=fill).view(bsz, nq, block)
+        return x.amin(-1) if reduce == "min" else x.amax(-1)
+
+    lo_blk = per_block(slot_start, nk_slots, "min") // block  # [B, nq]
+    hi_blk = (per_block(hi, 0, "max") - 1).clamp(min=0) // block  # last key block touched
+    n_blocks = (hi_blk - lo_blk + 1).clamp(min=0)
+    # full blocks: a single-group query block, key blocks inside its group and before its first position
+    g_first, g_last = per_block(group_q, n_groups, "min"), per_block(group_q, -1, "max")
+    single = (g_first == g_last) & full_ok
+    p_first = per_block(pos_q, big, "min")
+    g = g_first.clamp(max=n_groups - 1)
+    c_start, c_end = starts_k.gather(1, g), (starts_k + counts_k).gather(1, g)  # the group's key slot range
+    # last key slot with position < p_first inside the group: keys of the group at positions <= p_first - 1
+    full_end = torch.searchsorted(key_order, g * big + p_first - 1, right=True)  # [B, nq], exclusive slot bound
+    f_lo = (c_start + block - 1) // block  # first key block wholly inside the group
+    f_hi = torch.minimum(full_end, c_end) // block  # key blocks [f_lo, f_hi) wholly inside and causally complete
+    n_full = torch.where(single, (f_hi - f_lo).clamp(min=0), torch.zeros_like(f_hi))
+    f_lo = torch.where(n_full > 0, f_lo, hi_blk + 1)
+    # partial blocks: [lo_blk, f_lo) then [f_lo + n_full, hi_blk]
+    ar = torch.arange(nk, device=dev)
+    first_run = (f_lo - lo_blk).clamp(min=0)
+    n_partial = (n_blocks - n_full).clamp(min=0)
+    r = ar[None, None, :]
+    partial_idx = torch.where(
+        r < first_run[..., None], lo_blk[..., None] + r, f_lo[..., None] + n_full[..., None] + (r - first_run[..., None])
+    )
+    partial_idx = torch.where(r < n_partial[..., None], partial_idx, torch.zeros_like(partial_idx)).clamp(max=nk - 1)
+    full_idx = torch.where(r < n_full[..., None], f_lo[..., None] + r, torch.zeros_like(partial_idx)).clamp(max=nk - 1)
+    return (
+        n_partial[:, None].int(),
+        partial_idx[:, None].int(),
+        n_full[:, None].int(),
+        full_idx[:, None].int(),
+    )
+
+
+def band_block_mask_tensors(tq: int, tk: int, window: int, *, block: int = FLEX_BLOCK, device=None):
+    """Block structure of the band call: queries at positions [tk - tq, tk) against keys within ``window`` before
+    them (all partial: the cross-group condition depends on the data). Depends on the shape only."""
+    start = tk - tq
+    nq, nk = (tq + block - 1) // block, (tk + block - 1) // block
+    qb = torch.arange(nq, device=device)
+    first_pos = start + qb * block
+    last_pos = torch.clamp(start + (qb + 1) * block - 1, max=tk - 1)
+    lo = torch.clamp(first_pos - window + 1, min=0) // block
+    hi = last_pos // block
+    n = hi - lo + 1
+    r = torch.arange(nk, device=device)
+    idx = torch.where(r[None, :] < n[:, None], lo[:, None] + r[None, :], torch.zeros_like(r)[None, :]).clamp(max=nk - 1)
+    return n[None, None].int(), idx[None, None].int()
+
+
+def flex_hard_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bits_q: Tensor,
+    bits_k: Tensor,
+    window: int,
+    scale: float,
+    n_groups: int,
+    top_k: int,
+    compiled: bool,
+) -> Tensor:
+    """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
+    by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    bsz, h, tq, d = q.shape
+    tk = k.shape[2]
+    start = tk - tq
+    gqa = k.shape[1] != h
+    attend = flex_attention_fn(compiled)
+    # ---- same group, lowest shared group, causal on original positions, over group-sorted slots ----
+    tok_q, grp_q = _group_layout(bits_q, n_groups)
+    tok_k, grp_k = _group_layout(bits_k, n_groups)
+    pos_q, pos_k = tok_q + start, tok_k
+    sbits_q, sbits_k = bits_q.gather(1, tok_q), bits_k.gather(1, tok_k)
+    lower_q = (torch.ones_like(grp_q) << grp_q) - 1  # groups below the slot's group
+    q_s = q.gather(2, tok_q[:, None, :, None].expand(bsz, h, -1, d))
+    k_s = k.gather(2, tok_k[:, None, :, None].expand(bsz, k.shape[1], -1, d))
+    v_s = v.gather(2, tok_k[:, None, :, None].expand(bsz, v.shape[1], -1, d))
+
+    def same_group(b, hh, qi, kv):
+        keep = (grp_q[b, qi] == grp_k[b, kv]) & (pos_k[b, kv] <= pos_q[b, qi])
+        if top_k > 1:
+            keep = keep & ((sbits_q[b, qi] & sbits_k[b, kv] & lower_q[b, qi]) == 0)
+        return keep
+
+    kvn, kvi, fkvn, fkvi = group_block_mask_tensors(grp_q, pos_q, grp_k, pos_k, full_ok=top_k == 1)
+    group_mask = BlockMask.from_kv_blocks(
+        kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1])
+    )
+    o_s, lse_s = attend(q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    # back to tokens: each query has top_k slots; merge them by logsumexp
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    lse_s = lse_s.to(cdt)
+    idx = tok_q[:, None, :].expand(bsz, h, -1)
+    lse_a = torch.full((bsz, h, tq), NEG_INF, dtype=cdt, device=q.device).scatter_reduce(
+        2, idx, lse_s, "amax", include_self=True
+    )
+    ref_a = lse_a.masked_fill(lse_a == NEG_INF, 0.0)
+    w_s = torch.exp(lse_s - ref_a.gather(2, idx))
+    sum_a = torch.zeros_like(lse_a).scatter_add(2, idx, w_s)
+    o_a = torch.zeros(bsz, h, tq, d, dtype=cdt, device=q.device).scatter_add(
+        2, idx[..., None].expand(-1, -1, -1, d), o_s.to(cdt) * w_s[..., None]
+    )
+    o_a = o_a / sum_a.clamp_min(torch.finfo(cdt).tiny)[..., None]
+    lse_a = torch.where(sum_a > 0, torch.log(sum_a.clamp_min(torch.finfo(cdt).tiny)) + ref_a, lse_a)
+
+    # ---- cross-group band: causal, i - j < window, no shared group, original order ----
+    q_pos = torch.arange(start, tk, device=q.device)
+
+    def band(b, hh, qi, kv):
+        dist = q_pos[qi] - kv
+        return (dist >= 0) & (dist < window) & ((bits_q[b, qi] & bits_k[b, kv]) == 0)
+
+    structure = cached_block_mask(
+        ("focus_band", tq, tk, window, str(q.device)),
+        lambda: BlockMask.from_kv_blocks(
+            *band_block_mask_tensors(tq, tk, window, device=q.device),
+            BLOCK_SIZE=FLEX_BLOCK,
+            seq_lengths=(tq, tk),
+        ),
+    )
+    band_mask = copy.copy(structure)
+    band_mask.mask_mod = band  # the cached structure, this layer's memberships
+    o_b, lse_b = attend(q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    lse_b = lse_b.to(cdt)
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = o_a * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
+    return out.to(q.dtype)

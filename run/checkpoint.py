@@ -1,0 +1,123 @@
+"""The read side of checkpoints: find the latest complete one, resolve a run or checkpoint directory,
+load trainer state and consolidated weights. Writing (atomic directories, pruning) is
+``pretrain.checkpoint``'s; evaluation, export and training all read through here.
+
+Layout: ``<run>/checkpoints/step_00000020/`` with what the engine wrote, ``trainer.pt`` and
+``meta.json``; a directory still being written is named ``.tmp-step_...`` and is never returned.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import tomllib
+import torch
+
+from core import configlib
+from core.errors import ConfigError
+
+STEP_DIR = re.compile(r"^step_(\d{8,})$")
+TMP_PREFIX = ".tmp-"
+META = "meta.json"
+TRAINER_STATE = "trainer.pt"
+MODEL_FILE = "model.safetensors"  # consolidated weights (single engine; other engines export to it)
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every complete checkpoint, oldest first."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for path in root.iterdir():
+        m = STEP_DIR.match(path.name)
+        if m and (path / META).is_file() and (path / TRAINER_STATE).is_file():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = complete_checkpoints(run_dir)
+    return found[-1][1] if found else None
+
+
+def resolve_checkpoint(path: str | Path, *, key: str = "--run") -> Path:
+    """A checkpoint directory, or a run directory -> its latest complete checkpoint.
+
+    ``key`` names the option in the one-line error (``--run``, ``train.init_from`` ...).
+    """
+    path = Path(path)
+    if (path / TRAINER_STATE).is_file():
+        return path
+    if (path / "checkpoints").is_dir():
+        latest = latest_checkpoint(path)
+        if latest is not None:
+            return latest
+        raise ConfigError(f"{key}: no complete checkpoint under {path}/checkpoints")
+    if not path.is_dir():
+        raise ConfigError(f"{key}: no such directory {str(path)!r}")
+    raise ConfigError(f"{key}: {path} is neither a complete checkpoint nor a run directory with one")
+
+
+def tokenizer_file(directory: Path) -> Path:
+    """The tokenizer a checkpoint directory carries (SentencePiece, HF tokenizer.json or tiktoken ranks)."""
+    for path in [directory / "tokenizer.model", directory / "tokenizer.json", *sorted(directory.glob("*.tiktoken"))]:
+        if path.is_file():
+            return path
+    raise ConfigError(f"--checkpoint: {directory} holds no tokenizer.model, tokenizer.json or .tiktoken file")
+
+
+def load_trainer_state(path: Path) -> dict[str, Any]:
+    return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
+
+
+def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:
+    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not).
+
+    ``new_attention_ok``: a retrofit (full-attention weights into a Focus model, say) may lack the
+    attention variant's own parameters (``*.core.*``); they keep their initialisation. Anything
+    else missing or unexpected is still an error.
+    """
+    from safetensors.torch import load_model as load_safetensors
+
+    try:
+        missing, unexpected = load_safetensors(model, str(Path(path) / MODEL_FILE), strict=False, device=str(device))
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})"
+        ) from None
+    missing = [name for name in missing if not (new_attention_ok and ".core." in name)]
+    if missing or unexpected:
+        detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
+        raise ConfigError(f"model: the weights in {path} do not fit this model config ({detail})")
+
+
+def load_model(path: Path, *, device: torch.device | str = "cpu", overrides: list[str] = ()):
+    """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights.
+
+    ``overrides`` are ``--set`` assignments applied to the saved config before the model is built,
+    e.g. ``model.attention.focus.mode=hard`` to evaluate a soft-trained Focus model sparsely.
+    """
+    from model.transformer import build_model
+    from run.config import run_config_from_dict
+
+    path = Path(path)
+    if not (path / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
+    data = tomllib.loads(load_trainer_state(path)["config"])
+    for assignment in overrides:
+        configlib.apply_override(data, assignment)
+    cfg = run_config_from_dict(data)
+    model = build_model(cfg.model, device=device)
+    load_weights(model, path, device=device)
+    return model.eval(), cfg

@@ -1,0 +1,235 @@
+"""The run configuration (SPEC section 11): sections, defaults, loading and validation."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core import configlib
+from core.errors import ConfigError, check_choice, check_min, check_range
+from data.config import DataConfig
+from model.activation_checkpointing import MODES as AC_MODES
+from model.config import ModelConfig, model_config_from_dict
+from run.engines import ENGINE_SPECS
+
+SCHEDULES = ("cosine", "linear", "constant", "wsd")
+# the lm-eval tasks eval/harness.py ships templates for (a test checks the two lists agree)
+LM_EVAL_TASKS = (
+    "hellaswag",
+    "arc_easy",
+    "arc_challenge",
+    "piqa",
+    "winogrande",
+    "boolq",
+    "social_iqa",
+    "lambada_openai",
+    "wikitext",
+)
+EVAL_DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
+PRECISIONS = ("auto", "fp32", "bf16")
+WANDB_MODES = ("offline", "online", "disabled")
+
+
+def resolve_data_dir(data_dir: str | Path | None) -> Path:
+    """The evaluation data directory: ``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA; it must exist."""
+    raw = data_dir if data_dir is not None else os.environ.get(EVAL_DATA_ENV)
+    if not raw:
+        raise ConfigError(
+            f"data_dir: not given and ${EVAL_DATA_ENV} is unset; pass the eval data directory "
+            "(the layout of the offline evaluation bundle, see docs/eval.md)"
+        )
+    path = Path(raw).expanduser()
+    if not path.is_dir():
+        raise ConfigError(f"data_dir: no such directory {str(path)!r}")
+    return path
+
+
+@dataclass
+class RunSection:
+    dir: str = "runs/default"
+    name: str = ""  # display name for loggers; "" = the directory's name
+
+
+@dataclass
+class TrainConfig:
+    engine: str = "single"
+    zero_stage: int = 0  # deepspeed: ZeRO stage 0-3
+    # deepspeed: JSON file with the ZeRO options (offload, bucket sizes ...); "" = launch/deepspeed/zero.json.
+    # Batch sizes, precision, gradient clipping and the stage come from this run config.
+    deepspeed_config: str = ""
+    max_steps: int = 1000  # the schedule's length and the end of training
+    stop_at: int = 0  # > 0: checkpoint and stop at this step, schedule unchanged (as a preemption would)
+    batch_size: int = 32  # global sequences per optimizer step, whatever the world size
+    micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
+    warmup_steps: int = 100
+    schedule: str = "cosine"
+    decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping (the norm is still measured)
+    seed: int = 0
+    precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    log_every: int = 10
+    compile: bool = False  # torch.compile each transformer block (before FSDP2 wraps it)
+    activation_checkpointing: str = "none"  # none | selective (recompute cheap ops) | full (recompute each block)
+    # fsdp2: HSDP when > 1: ranks form a (replicate x shard) mesh, parameters sharded within a
+    # group of world_size / fsdp_replicate ranks and replicated across the groups (1 = plain FSDP)
+    fsdp_replicate: int = 1
+    # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
+    # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
+    init_from: str = ""
+    # parameter freezing by name pattern (pretrain/freezing.py): trainable = only these train;
+    # freeze = these do not; unfreeze_at = from this step on everything trains (two-phase recipes)
+    trainable: list[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)
+    unfreeze_at: int = 0
+
+    def validate(self) -> None:
+        check_choice("train.engine", self.engine, ENGINE_SPECS)
+        for name in ("max_steps", "batch_size", "log_every"):
+            check_min(f"train.{name}", getattr(self, name), 1)
+        for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage", "unfreeze_at"):
+            check_min(f"train.{name}", getattr(self, name), 0)
+        check_range("train.zero_stage", self.zero_stage, 0, 3)
+        check_choice("train.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        check_min("train.fsdp_replicate", self.fsdp_replicate, 1)
+        if self.fsdp_replicate > 1 and self.engine != "fsdp2":
+            raise ConfigError(
+                f"train.fsdp_replicate: {self.fsdp_replicate} needs train.engine = fsdp2 (HSDP), got {self.engine!r}"
+            )
+        if self.deepspeed_config and self.engine == "deepspeed" and not Path(self.deepspeed_config).is_file():
+            raise ConfigError(
+                f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see launch/deepspeed/)"
+            )
+        if self.unfreeze_at and not ENGINE_SPECS[self.engine].changes_trainable:
+            capable = ", ".join(n for n, s in ENGINE_SPECS.items() if s.changes_trainable)
+            raise ConfigError(
+                f"train.unfreeze_at: not supported with train.engine={self.engine} (the trainable set is fixed "
+                f"when the model is wrapped); engines that support it: {capable}"
+            )
+        if self.stop_at > self.max_steps:
+            raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")
+        check_min("train.lr", self.lr, 0, strict=True)
+        check_range("train.min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        check_choice("train.schedule", self.schedule, SCHEDULES)
+        check_range("train.decay_fraction", self.decay_fraction, 0.0, 1.0)
+        check_choice("train.precision", self.precision, PRECISIONS)
+        check_min("train.grad_clip", self.grad_clip, 0)
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 500  # steps between checkpoints; 0 = only at the end (and on preemption)
+    keep: int = 3  # complete checkpoints kept (the newest); 0 = all
+
+    def validate(self) -> None:
+        check_min("checkpoint.every", self.every, 0)
+        check_min("checkpoint.keep", self.keep, 0)
+
+
+@dataclass
+class EvalConfig:
+    every: int = 200  # steps between validation passes; 0 = only at the end
+    batches: int = 20  # validation batches per pass
+    batch_size: int = 0  # 0 = train.micro_batch_size
+    sample_prompt: str = ""  # "" = the start of the first validation document
+    sample_tokens: int = 64
+    # lm-eval tasks in the loop (eval/harness.py: hellaswag, arc_easy, lambada_openai, ...), results
+    # in metrics.jsonl as eval/<task>/<metric>; every rank runs them (sharded engines need that)
+    tasks: list[str] = field(default_factory=list)
+    tasks_every: int = 0  # steps between task evaluations; 0 = eval.every
+    limit: int = 100  # examples per task (0 = all)
+    data_dir: str = ""  # the tasks' data (layout of the offline bundle); "" = $FOCUSED_PRETRAIN_EVAL_DATA
+
+    def validate(self) -> None:
+        for name in ("every", "batch_size", "sample_tokens", "tasks_every", "limit"):
+            check_min(f"eval.{name}", getattr(self, name), 0)
+        check_min("eval.batches", self.batches, 1)
+        if self.tasks:
+            # names only: lm-eval itself is imported when a task runs, so validation needs no extra
+            unknown = [t for t in self.tasks if t not in LM_EVAL_TASKS]
+            if unknown:
+                raise ConfigError(
+                    f"eval.tasks: {', '.join(unknown)} not available; allowed: {', '.join(LM_EVAL_TASKS)}"
+                )
+            try:
+                resolve_data_dir(self.data_dir or None)
+            except ConfigError as exc:  # named data_dir there; here it is an eval.* key
+                raise ConfigError(f"eval.{exc}") from None
+
+
+@dataclass
+class LogConfig:
+    tensorboard: bool = True
+    wandb: str = "offline"  # offline unless configured; online needs WANDB_API_KEY in the environment
+    wandb_project: str = "focused-pretrain"
+    wandb_entity: str = ""
+    console: bool = True
+
+    def validate(self) -> None:
+        check_choice("log.wandb", self.wandb, WANDB_MODES)
+
+
+@dataclass
+class RunConfig:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.dir)
+
+    def validate(self) -> None:
+        self.model.validate()
+        self.data.validate()
+        self.train.validate()
+        self.checkpoint.validate()
+        self.eval.validate()
+        self.log.validate()
+        if self.data.seq_len > self.model.max_seq_len:
+            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        if self.data.document_masking:
+            from model.attention import registry
+
+            if not registry[self.model.attention.kind].cls.supports_documents:
+                supported = ", ".join(k for k, e in sorted(registry.items()) if e.cls.supports_documents)
+                raise ConfigError(
+                    f"data.document_masking: not supported by model.attention.kind = {self.model.attention.kind!r}; supported: {supported}"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return configlib.to_dict(self)
+
+    def to_toml(self) -> str:
+        return configlib.dump_toml(self.to_dict())
+
+
+def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
+    data = dict(data)
+    model_table = data.pop("model", {})
+    cfg = configlib.from_dict(RunConfig, data)
+    cfg.model = model_config_from_dict(model_table)
+    return cfg
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = (), *, validate: bool = True) -> RunConfig:
+    """Read a TOML file (or nothing), apply ``--set`` overrides, build and validate."""
+    data = configlib.load_toml(path) if path else {}
+    for assignment in overrides:
+        configlib.apply_override(data, assignment)
+    cfg = run_config_from_dict(data)
+    if validate:
+        cfg.validate()
+    return cfg
