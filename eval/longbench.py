@@ -6,6 +6,11 @@ instructions and the question), greedy decoding of ``MAX_NEW_TOKENS[dataset]`` t
 metric, max over gold answers, averaged as 0..100. LongBench-E also reports by ``length`` (words, or
 characters for Chinese): 0-4k, 4-8k, 8k+.
 
+The per-answer metrics are lm-eval's copy of the official ones (``eval/longbench_metrics.py``, imported when
+scoring starts); this module is what lm-eval has no reusable form of: prompts, generation lengths, middle
+truncation, the first-line rule, the max over answers, averaging and the length buckets. Scoring is
+``eval.py``'s: the prediction is not stripped (lm-eval's own task wrappers strip it).
+
 Differences from the official runner: the prompt budget is ``max_context - max_new_tokens`` (official
 truncates to the model's context and lets generation overrun it); the truncated token ids go to the
 generator as they are (official decodes both halves and re-tokenises); no chat template (base models);
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -24,36 +30,32 @@ from typing import Any
 from tqdm import tqdm
 
 from eval.generation import Generator
-from eval.longbench_metrics import (
-    DATASET_METRIC,
-    check_metric_available,
-    classification_score,
-)
+from eval.longbench_metrics import DATASET_METRIC, official_metric, official_metrics
 from model.errors import ConfigError
 
 DATASETS: tuple[str, ...] = tuple(DATASET_METRIC)
 
 # config/dataset2prompt.json of THUDM/LongBench, verbatim (data, not code).
 PROMPTS: dict[str, str] = {
-    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
-    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',
-    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",
-    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
-    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",
-    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
-    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",
-    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",
+    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story as concisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",  # noqa: E501
+    "qasper": 'You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write "unanswerable". If the question is a yes/no question, answer "yes", "no", or "unanswerable". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:',  # noqa: E501
+    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "multifieldqa_zh": "阅读以下文字并用中文简短回答：\n\n{context}\n\n现在请基于上面的文章回答下面的问题，只告诉我答案，不要输出任何其他字词。\n\n问题：{input}\n回答：",  # noqa: E501
+    "hotpotqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "2wikimqa": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "musique": "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",  # noqa: E501
+    "dureader": "请基于给定的文章回答下述问题。\n\n文章：{context}\n\n请基于上述文章回答下面的问题。\n\n问题：{input}\n回答：",  # noqa: E501
+    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",  # noqa: E501
+    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",  # noqa: E501
+    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",  # noqa: E501
     "vcsum": "下面有一段会议记录，请你阅读后，写一段总结，总结会议的内容。\n会议记录：\n{context}\n\n会议总结：",
-    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
-    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",
-    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",  # noqa: E501
+    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",  # noqa: E501
     "lsht": "请判断给定新闻的类别，下面是一些例子。\n\n{context}\n{input}",
-    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",
-    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',
-    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',
+    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",  # noqa: E501
+    "passage_retrieval_en": 'Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like "Paragraph 1", "Paragraph 2", etc.\n\nThe answer is: ',  # noqa: E501
+    "passage_retrieval_zh": '以下是若干段落文字，以及其中一个段落的摘要。请确定给定的摘要出自哪一段。\n\n{context}\n\n下面是一个摘要\n\n{input}\n\n请输入摘要所属段落的编号。答案格式必须是"段落1"，"段落2"等格式\n\n答案是：',  # noqa: E501
     "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
@@ -70,7 +72,9 @@ MAX_NEW_TOKENS: dict[str, int] = {
 
 # Few-shot datasets: the model would go on to write the next example, so only the first line counts.
 FIRST_LINE_ONLY: frozenset[str] = frozenset({"trec", "triviaqa", "samsum", "lsht"})
-CLASSIFICATION: frozenset[str] = frozenset(d for d, m in DATASET_METRIC.items() if m is classification_score)
+CLASSIFICATION: frozenset[str] = frozenset(d for d, m in DATASET_METRIC.items() if m == "classification_score")
+# The gold answer's paragraph number, which the retrieval metrics look for (and fail without).
+RETRIEVAL_GOLD: dict[str, str] = {"passage_retrieval_en": r"Paragraph (\d+)", "passage_retrieval_zh": r"段落(\d+)"}
 BUCKETS: tuple[str, ...] = ("0-4k", "4-8k", "8k+")
 
 
@@ -108,6 +112,11 @@ def _check_row(row: Any, where: str) -> dict:
         )
     if dataset in CLASSIFICATION and not classes:
         raise ConfigError(f"longbench: {where} field 'all_classes' must be a non-empty list of strings for {dataset}")
+    pattern = RETRIEVAL_GOLD.get(dataset)
+    if pattern and not all(re.search(pattern, a) for a in answers):
+        raise ConfigError(
+            f"longbench: {where} field 'answers' must each match {pattern!r} for {dataset}, got {answers!r:.80}"
+        )
     return {**row, "dataset": dataset}
 
 
@@ -174,12 +183,12 @@ def predict(row: dict, generator: Generator) -> str:
 
 
 def score_example(dataset: str, prediction: str, answers: Sequence[str], all_classes: Sequence[str] | None) -> float:
-    """The best score of ``prediction`` over the gold ``answers``, 0..100."""
+    """The best score of ``prediction`` over the gold ``answers``, 0..100 (official ``eval.py`` ``scorer``)."""
     if dataset not in DATASET_METRIC:
         raise ConfigError(f"longbench: dataset {dataset!r} is not one of {', '.join(DATASETS)}")
     if dataset in FIRST_LINE_ONLY:
         prediction = prediction.lstrip("\n").split("\n")[0]
-    metric = DATASET_METRIC[dataset]
+    metric = official_metric(DATASET_METRIC[dataset])
     return 100.0 * max((metric(prediction, answer, all_classes=all_classes) for answer in answers), default=0.0)
 
 
@@ -232,8 +241,8 @@ def run_longbench(
     """
     rows = load_longbench(path, limit)
     datasets = dict.fromkeys(row["dataset"] for row in rows)
-    for dataset in datasets:  # fail before hours of generation, not after
-        check_metric_available(dataset)
+    official_metrics()  # fail before hours of generation, not after
+    for dataset in datasets:
         prompt_budget(generator, dataset)
     scored: dict[str, list[tuple[int, float]]] = {dataset: [] for dataset in datasets}
     for row in tqdm(rows, desc=f"longbench {Path(path).name}", unit="row", disable=not progress):

@@ -1,218 +1,114 @@
-"""The LongBench (v1) metrics, one per dataset, each ``metric(prediction, ground_truth, *, all_classes)``
-returning a score in [0, 1] for one gold answer (the caller takes the max over gold answers).
+"""LongBench (v1) metrics: the official scorer, as lm-eval ships it.
 
-Rules follow THUDM/LongBench ``metrics.py``; where this module deviates it says so:
+Every per-answer score comes from ``lm_eval.tasks.longbench.metrics`` (lm-eval >= 0.4.9 with its
+``longbench`` extra), lm-eval's copy of THUDM/LongBench's ``metrics.py``. Nothing here re-implements a
+metric:
 
-- ``rouge_score``: rouge-L F1 from ``rouge_score.RougeScorer(["rougeL"])`` on whitespace tokens, case and
-  punctuation kept. Official uses the ``rouge`` package (pltrdy) on the same whitespace tokens, but as a
-  summary-level union-LCS over sentences split at ``"."`` and counting *distinct* words, so multi-sentence
-  summaries (gov_report, qmsum, multi_news, samsum, vcsum, dureader) score somewhat differently from the
-  paper's numbers; single-sentence texts with no repeated words score the same. The rouge_score default
-  tokenizer is not used because it drops every non-[a-z0-9] character (all of Chinese).
-- ``classification_score``: official removes items from the match list while iterating over it, which skips
-  the item after each removal; here every matched class that is a strict substring of the ground truth is
-  dropped. Official's difflib fallback for "no class matched" is dead code (``list != 0`` is always true),
-  so no match scores 0, as it does officially.
-- ``code_sim_score``: fuzzywuzzy's ``fuzz.ratio`` is an integer; rapidfuzz's is a float, so it is rounded.
-- Chinese metrics need ``jieba`` (imported on first use); ``retrieval_zh_score`` does not, as officially.
+- ``qa_f1_score``: SQuAD-normalised bag-of-words F1 (lm-eval);
+- ``qa_f1_zh_score``: the same over jieba words, Chinese punctuation dropped (lm-eval, jieba);
+- ``rouge_score``: ``Rouge().get_scores(...)["rouge-l"]["f"]``, 0 when it raises (rouge, pltrdy's);
+- ``rouge_zh_score``: that rouge-L on jieba words joined by spaces (rouge, jieba);
+- ``classification_score``: 1 / (classes named) when the gold class is among them (lm-eval);
+- ``retrieval_score`` / ``retrieval_zh_score``: share of the numbers in the prediction equal to the gold
+  "Paragraph N" / "段落N" (lm-eval);
+- ``count_score``: share of the numbers in the prediction equal to the gold count (lm-eval);
+- ``code_sim_score``: ``fuzz.ratio`` of the first code line / 100 (fuzzywuzzy).
+
+What this module keeps, because lm-eval has no importable form of it:
+
+- ``DATASET_METRIC``: dataset -> metric name (LongBench's ``dataset2metric``; lm-eval has it only in its
+  task YAMLs, which the tests read to check this table).
+- ``official_metrics`` / ``official_metric``: lm-eval imported on first use, never at import time, so that
+  ``eval.longbench`` loads and validates files without the extra; a missing package is one ``ConfigError``
+  line naming it and the extra.
+- ``normalize_answer``: SQuAD normalisation for the HELMET-style tasks in ``eval/synthetic.py``, which must
+  run without the extra (lm-eval's module needs rouge, fuzzywuzzy and jieba just to import); the tests check
+  it equals lm-eval's.
+
+Prompt assembly, middle truncation, the first-line rule of the few-shot datasets, the max over gold answers,
+averaging and LongBench-E's length buckets are LongBench's ``pred.py`` / ``eval.py``, not its ``metrics.py``,
+and live in ``eval/longbench.py``.
+
+Version notes: lm-eval 0.4.13's ``code_sim_score`` skips blank and whitespace-only lines when it picks the
+first code line; THUDM's (and lm-eval 0.4.9-0.4.12's) only strips leading newlines, so there a blank line
+after a skipped fence or comment line is the line scored (about 0). ``fuzz.ratio`` is difflib's
+``SequenceMatcher`` ratio, or python-Levenshtein's when that is installed (they can differ by a point);
+lm-eval's ``longbench`` extra does not install it. Scores equal whatever lm-eval is installed.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import re
 import string
-from collections import Counter
-from collections.abc import Sequence
-from functools import lru_cache
-from typing import Protocol
+import warnings
+from collections.abc import Callable
+from types import ModuleType
 
 from model.errors import ConfigError
 
+OFFICIAL_MODULE = "lm_eval.tasks.longbench.metrics"
+# import name -> distribution: what lm-eval's LongBench metrics import (its ``longbench`` extra)
+_PACKAGES = {"lm_eval": "lm-eval", "rouge": "rouge", "fuzzywuzzy": "fuzzywuzzy", "jieba": "jieba"}
 
-class Metric(Protocol):
-    def __call__(self, prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float: ...
+# LongBench's dataset2metric: the name of the lm-eval metric function each dataset is scored with.
+DATASET_METRIC: dict[str, str] = {
+    "narrativeqa": "qa_f1_score",
+    "qasper": "qa_f1_score",
+    "multifieldqa_en": "qa_f1_score",
+    "multifieldqa_zh": "qa_f1_zh_score",
+    "hotpotqa": "qa_f1_score",
+    "2wikimqa": "qa_f1_score",
+    "musique": "qa_f1_score",
+    "dureader": "rouge_zh_score",
+    "gov_report": "rouge_score",
+    "qmsum": "rouge_score",
+    "multi_news": "rouge_score",
+    "vcsum": "rouge_zh_score",
+    "trec": "classification_score",
+    "triviaqa": "qa_f1_score",
+    "samsum": "rouge_score",
+    "lsht": "classification_score",
+    "passage_count": "count_score",
+    "passage_retrieval_en": "retrieval_score",
+    "passage_retrieval_zh": "retrieval_zh_score",
+    "lcc": "code_sim_score",
+    "repobench-p": "code_sim_score",
+}
+METRICS: tuple[str, ...] = tuple(sorted(set(DATASET_METRIC.values())))
 
 
-_ZH_PUNCTUATION = "！？｡。＂＃＄％＆＇（）＊＋，－／：；＜＝＞＠［＼］＾＿｀｛｜｝～｟｠｢｣､、〃》「」『』【】〔〕〖〗〘〙〚〛〜〝〞〟〰〾〿–—‘’‛“”„‟…‧﹏."
-_EN_PUNCT = frozenset(string.punctuation)
-_ALL_PUNCT = frozenset(string.punctuation + _ZH_PUNCTUATION)
-_ARTICLES = re.compile(r"\b(a|an|the)\b")
-_NUMBER = re.compile(r"\d+")
-
-
-def _jieba():
-    """jieba, imported only when a Chinese dataset is scored (it is an optional dependency)."""
+def official_metrics() -> ModuleType:
+    """lm-eval's LongBench metrics module, imported on first use; ConfigError (one line) when it cannot be."""
     try:
-        import jieba
+        with warnings.catch_warnings():
+            # fuzzywuzzy without python-Levenshtein warns about speed; code lines are short, and difflib is
+            # what lm-eval's longbench extra gives
+            warnings.filterwarnings("ignore", message="Using slow pure-python SequenceMatcher")
+            return importlib.import_module(OFFICIAL_MODULE)
     except ImportError:
+        missing = [dist for name, dist in _PACKAGES.items() if importlib.util.find_spec(name) is None]
+        what = f"missing {', '.join(missing)}" if missing else f"this lm-eval has no {OFFICIAL_MODULE} (needs >= 0.4.9)"
         raise ConfigError(
-            "longbench: Chinese metrics (multifieldqa_zh, dureader, vcsum) need jieba: pip install jieba"
+            f"longbench: scoring uses lm-eval's LongBench metrics ({what}): "
+            "pip install -e '.[eval]' (it brings lm-eval[longbench]: rouge, fuzzywuzzy, jieba)"
         ) from None
-    return jieba
 
 
-def _zh_words(text: str) -> list[str]:
-    return list(_jieba().cut(text, cut_all=False))
+def official_metric(name: str) -> Callable[..., float]:
+    """The lm-eval metric ``name``: ``metric(prediction, ground_truth, all_classes=...)`` -> [0, 1]."""
+    if name not in METRICS:
+        raise ConfigError(f"longbench: metric {name!r} is not one of {', '.join(METRICS)}")
+    return getattr(official_metrics(), name)
 
 
-# ---------------------------------------------------------------- normalisation and token F1
+_EN_PUNCT = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalize_answer(s: str) -> str:
-    """SQuAD normalisation: lower case, drop punctuation, then articles, then collapse whitespace."""
+    """SQuAD normalisation (lower case, drop punctuation, then articles, then collapse whitespace), for
+    eval/synthetic.py; LongBench scoring uses lm-eval's own."""
     text = "".join(ch for ch in s.lower() if ch not in _EN_PUNCT)
     return " ".join(_ARTICLES.sub(" ", text).split())
-
-
-def normalize_zh_answer(s: str) -> str:
-    """Lower case, drop English and Chinese punctuation and all whitespace (Chinese has no word spaces)."""
-    return "".join(ch for ch in s.lower() if ch not in _ALL_PUNCT and not ch.isspace())
-
-
-def token_f1(prediction: Sequence[str], ground_truth: Sequence[str]) -> float:
-    """Bag-of-tokens F1 (multiset overlap)."""
-    same = sum((Counter(prediction) & Counter(ground_truth)).values())
-    if same == 0:
-        return 0.0
-    precision, recall = same / len(prediction), same / len(ground_truth)
-    return 2 * precision * recall / (precision + recall)
-
-
-def qa_f1_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    return token_f1(normalize_answer(prediction).split(), normalize_answer(ground_truth).split())
-
-
-def qa_f1_zh_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    def tokens(text: str) -> list[str]:
-        return [t for t in map(normalize_zh_answer, _zh_words(text)) if t]
-
-    return token_f1(tokens(prediction), tokens(ground_truth))
-
-
-# ---------------------------------------------------------------- rouge-L
-
-
-class _WhitespaceTokenizer:
-    """Official LongBench tokenises rouge input on whitespace, keeping case and punctuation."""
-
-    def tokenize(self, text: str) -> list[str]:
-        return text.split()
-
-
-@lru_cache(maxsize=1)
-def _rouge_l():
-    rouge_scorer = _optional("rouge_score.rouge_scorer", "rouge-score")
-    return rouge_scorer.RougeScorer(["rougeL"], tokenizer=_WhitespaceTokenizer())
-
-
-def _optional(module: str, package: str):
-    """The eval extra's scorers load on first use: the needle / RAG tasks share this module's
-    normalisation without needing them."""
-    import importlib
-
-    try:
-        return importlib.import_module(module)
-    except ImportError:
-        raise ConfigError(f"longbench: the metric needs {package} (pip install -e '.[eval]')") from None
-
-
-def rouge_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    """Rouge-L F1 over whitespace tokens (0 when either side is empty, as officially)."""
-    return float(_rouge_l().score(ground_truth, prediction)["rougeL"].fmeasure)
-
-
-def rouge_zh_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    return rouge_score(" ".join(_zh_words(prediction)), " ".join(_zh_words(ground_truth)))
-
-
-# ---------------------------------------------------------------- classification, retrieval, count, code
-
-
-def classification_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    """1/len(matches) if the ground truth is among the classes named in the prediction, else 0.
-
-    A matched class that is a strict substring of the ground truth is dropped, so predicting
-    "Other location" is not also counted as "location" (which would halve the score).
-    """
-    if not all_classes:
-        raise ConfigError("longbench: classification needs all_classes (a non-empty list of class names)")
-    matches = [c for c in all_classes if c in prediction]
-    matches = [c for c in matches if not (c in ground_truth and c != ground_truth)]
-    return 1.0 / len(matches) if ground_truth in matches else 0.0
-
-
-def _id_fraction(prediction: str, gold_id: str) -> float:
-    """Fraction of the numbers in the prediction that equal ``gold_id`` (0 when it names none)."""
-    numbers = _NUMBER.findall(prediction)
-    return sum(n == gold_id for n in numbers) / len(numbers) if numbers else 0.0
-
-
-def _retrieval(pattern: str, prediction: str, ground_truth: str) -> float:
-    found = re.findall(pattern, ground_truth)
-    if not found:
-        raise ConfigError(f"longbench: retrieval answer {ground_truth!r} does not match {pattern!r}")
-    return _id_fraction(prediction, found[0])
-
-
-def retrieval_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    return _retrieval(r"Paragraph (\d+)", prediction, ground_truth)
-
-
-def retrieval_zh_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    return _retrieval(r"段落(\d+)", prediction, ground_truth)
-
-
-def count_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    return _id_fraction(prediction, str(ground_truth))
-
-
-def first_code_line(prediction: str) -> str:
-    """The first generated line that is code: official skips lines containing a backtick, '#' or '//'."""
-    for line in prediction.lstrip("\n").split("\n"):
-        if "`" not in line and "#" not in line and "//" not in line:
-            return line
-    return ""
-
-
-def code_sim_score(prediction: str, ground_truth: str, *, all_classes: Sequence[str] | None = None) -> float:
-    line = first_code_line(prediction)
-    if line == ground_truth:
-        return 1.0
-    if not line or not ground_truth:  # fuzzywuzzy scores an empty side 0
-        return 0.0
-    return (
-        round(_optional("rapidfuzz.fuzz", "rapidfuzz").ratio(line, ground_truth)) / 100
-    )  # fuzzywuzzy returns an integer percentage
-
-
-DATASET_METRIC: dict[str, Metric] = {
-    "narrativeqa": qa_f1_score,
-    "qasper": qa_f1_score,
-    "multifieldqa_en": qa_f1_score,
-    "multifieldqa_zh": qa_f1_zh_score,
-    "hotpotqa": qa_f1_score,
-    "2wikimqa": qa_f1_score,
-    "musique": qa_f1_score,
-    "dureader": rouge_zh_score,
-    "gov_report": rouge_score,
-    "qmsum": rouge_score,
-    "multi_news": rouge_score,
-    "vcsum": rouge_zh_score,
-    "trec": classification_score,
-    "triviaqa": qa_f1_score,
-    "samsum": rouge_score,
-    "lsht": classification_score,
-    "passage_count": count_score,
-    "passage_retrieval_en": retrieval_score,
-    "passage_retrieval_zh": retrieval_zh_score,
-    "lcc": code_sim_score,
-    "repobench-p": code_sim_score,
-}
-
-_NEEDS_JIEBA = frozenset({qa_f1_zh_score, rouge_zh_score})
-
-
-def check_metric_available(dataset: str) -> None:
-    """Fail before any generation when ``dataset``'s metric needs a missing optional package."""
-    if DATASET_METRIC[dataset] in _NEEDS_JIEBA:
-        _jieba()

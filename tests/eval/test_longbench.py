@@ -1,15 +1,18 @@
-"""LongBench metrics, loader and runner on hand-computed cases, with a fake generator (no model)."""
+"""LongBench metrics, loader and runner on hand-computed cases, with a fake generator (no model).
+
+The metrics are lm-eval's (``lm_eval.tasks.longbench.metrics``): tests that score take the ``official``
+fixture and skip without lm-eval's longbench extra. test_longbench_official.py checks them against lm-eval
+on random cases.
+"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
-from rouge_score import rouge_scorer
 
 from eval import longbench_metrics as M
 from eval.longbench import (
@@ -25,7 +28,6 @@ from eval.longbench import (
 )
 from model.errors import ConfigError
 
-HAS_JIEBA = importlib.util.find_spec("jieba") is not None
 TREC_CLASSES = ["Abbreviation", "Expression abbreviated", "City", "Other location", "Individual"]
 
 
@@ -87,6 +89,17 @@ def gold_reply(rows: Sequence[dict], *, few_shot_tail: str = "") -> Callable[[st
     return reply
 
 
+@pytest.fixture(scope="module")
+def official():
+    """lm-eval's LongBench metrics module, or a skip when lm-eval or its longbench extra is missing."""
+    return pytest.importorskip(M.OFFICIAL_MODULE, exc_type=ImportError)
+
+
+def score(dataset: str, prediction: str, gold: str, all_classes=None) -> float:
+    """One row's score, 0..1."""
+    return score_example(dataset, prediction, [gold], all_classes) / 100
+
+
 # ---------------------------------------------------------------- configs
 
 
@@ -101,11 +114,12 @@ def test_configs_cover_every_dataset():
         MAX_NEW_TOKENS["hotpotqa"],
     ) == (512, 128, 64, 32)
     assert PROMPTS["lcc"] == "Please complete the code given below. \n{context}Next line of code:\n"
-    assert M.DATASET_METRIC["trec"] is M.classification_score and M.DATASET_METRIC["lsht"] is M.classification_score
-    assert M.DATASET_METRIC["repobench-p"] is M.code_sim_score and M.DATASET_METRIC["vcsum"] is M.rouge_zh_score
+    assert M.DATASET_METRIC["trec"] == M.DATASET_METRIC["lsht"] == "classification_score"
+    assert M.DATASET_METRIC["repobench-p"] == "code_sim_score" and M.DATASET_METRIC["vcsum"] == "rouge_zh_score"
+    assert set(M.DATASET_METRIC.values()) == set(M.METRICS)
 
 
-# ---------------------------------------------------------------- metrics
+# ---------------------------------------------------------------- metrics (lm-eval's), through the dataset table
 
 
 def test_normalize_answer():
@@ -114,76 +128,76 @@ def test_normalize_answer():
     assert M.normalize_answer("Theater A") == "theater"  # "the" inside a word stays
 
 
-def test_qa_f1_hand_computed():
+def test_qa_f1_hand_computed(official):
     # pred -> [cat, sat, on, mat], gold -> [cat, on, mat]: 3 common; P = 3/4, R = 3/3, F1 = 2*(3/4)/(7/4) = 6/7
-    assert M.qa_f1_score("The cat sat on the mat.", "cat on mat") == pytest.approx(6 / 7)
+    assert score("hotpotqa", "The cat sat on the mat.", "cat on mat") == pytest.approx(6 / 7)
     # multiset overlap: [paris, paris] vs [paris] -> 1 common; P = 1/2, R = 1, F1 = 2/3
-    assert M.qa_f1_score("Paris, Paris", "paris") == pytest.approx(2 / 3)
-    assert M.qa_f1_score("London", "Paris") == 0.0
-    assert M.qa_f1_score("", "Paris") == 0.0
+    assert score("hotpotqa", "Paris, Paris", "paris") == pytest.approx(2 / 3)
+    assert score("hotpotqa", "London", "Paris") == 0.0
+    assert score("hotpotqa", "", "Paris") == 0.0
 
 
-def test_rouge_l_matches_rouge_score_and_hand_lcs():
-    pred, gold = "the cat sat on the mat today", "the cat is on the mat"
-    # lower-case alphanumeric text: the default rouge_score tokenizer and whitespace splitting agree
-    expected = rouge_scorer.RougeScorer(["rougeL"]).score(gold, pred)["rougeL"].fmeasure
-    assert M.rouge_score(pred, gold) == pytest.approx(expected)
-    # LCS("police arrested the suspect yesterday", "the police arrested a suspect") = police arrested suspect = 3
-    # P = 3/5, R = 3/5, F = 0.6
-    assert M.rouge_score("police arrested the suspect yesterday", "the police arrested a suspect") == pytest.approx(0.6)
-    # LCS = [a, c, e] = 3 of 5 predicted and 4 gold tokens: P = 3/5, R = 3/4, F = 2PR/(P+R) = 2/3
-    assert M.rouge_score("a b c d e", "a c e f") == pytest.approx(2 / 3)
-    assert M.rouge_score("Paris", "paris") == 0.0  # whitespace tokens keep case, as the official scorer does
-    assert M.rouge_score("", "a summary") == 0.0
+def test_rouge_l_hand_computed(official):
+    # one sentence, no repeated word: LCS("police arrested the suspect yesterday", "the police arrested a
+    # suspect") = police arrested suspect = 3; P = 3/5, R = 3/5, F = 0.6 (official adds 1e-8 to P + R)
+    police = score("gov_report", "police arrested the suspect yesterday", "the police arrested a suspect")
+    assert police == pytest.approx(0.6)
+    # LCS = [a, c, e] = 3 of 5 predicted and 4 gold words: P = 3/5, R = 3/4, F = 2/3
+    assert score("qmsum", "a b c d e", "a c e f") == pytest.approx(2 / 3)
+    # sentences split at ".", union LCS over them, distinct words: hits The agency grants + found gaps in = 6,
+    # R = 6/9, P = 6/6, F = 0.8 (whitespace-token rouge-L over the whole text gave 2/3)
+    pred, gold = "The agency found gaps in grants.", "The agency reviewed grants. It found gaps in oversight."
+    assert score("gov_report", pred, gold) == pytest.approx(0.8)
+    assert score("multi_news", "Paris", "paris") == 0.0  # whitespace words keep their case
+    assert score("gov_report", "", "a summary") == 0.0  # rouge raises on an empty hypothesis: 0
 
 
-def test_classification_substring_classes():
+def test_classification_substring_classes(official):
     classes = ["location", "other location", "city"]
     # "location" is inside the gold "other location" and not equal to it: dropped, one match left
-    assert M.classification_score("other location", "other location", all_classes=classes) == 1.0
+    assert score("trec", "other location", "other location", classes) == 1.0
     # gold "location": both classes match, "other location" is not inside the gold, so 1/2
-    assert M.classification_score("other location", "location", all_classes=classes) == 0.5
-    assert M.classification_score("city or other location", "city", all_classes=classes) == pytest.approx(1 / 3)
-    assert M.classification_score("no idea", "city", all_classes=classes) == 0.0
+    assert score("trec", "other location", "location", classes) == 0.5
+    assert score("trec", "city or other location", "city", classes) == pytest.approx(1 / 3)
+    assert score("trec", "no idea", "city", classes) == 0.0
     abbrev = ["abbreviation", "abbreviation expansion", "animal"]
-    assert M.classification_score("abbreviation expansion", "abbreviation expansion", all_classes=abbrev) == 1.0
-    assert M.classification_score("abbreviation expansion", "abbreviation", all_classes=abbrev) == 0.5
-    # two consecutive strict substrings of the gold are both dropped (official's in-loop remove keeps "y")
-    assert M.classification_score("x y z", "x y z", all_classes=["x", "y", "x y z"]) == 1.0
-    with pytest.raises(ConfigError, match="all_classes"):
-        M.classification_score("city", "city", all_classes=None)
+    assert score("trec", "abbreviation expansion", "abbreviation expansion", abbrev) == 1.0
+    assert score("trec", "abbreviation expansion", "abbreviation", abbrev) == 0.5
+    # official removes from the list it iterates, so the item after a removed one stays: "y" counts, 1/2
+    assert score("trec", "x y z", "x y z", ["x", "y", "x y z"]) == 0.5
 
 
-def test_retrieval_and_count():
-    assert M.retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
-    assert M.retrieval_score("Paragraph 12 or Paragraph 3", "Paragraph 12") == 0.5
-    assert M.retrieval_score("Paragraph 120", "Paragraph 12") == 0.0
-    assert M.retrieval_score("I do not know", "Paragraph 12") == 0.0
-    assert M.retrieval_zh_score("段落3", "段落3") == 1.0  # needs no jieba
-    with pytest.raises(ConfigError, match="Paragraph"):
-        M.retrieval_score("Paragraph 1", "the first one")
-    assert M.count_score("There are 5 unique paragraphs", "5") == 1.0
-    assert M.count_score("5 or 6", "5") == 0.5
-    assert M.count_score("15", "5") == 0.0
-    assert M.count_score("", "5") == 0.0
+def test_retrieval_and_count(official):
+    assert score("passage_retrieval_en", "Paragraph 12", "Paragraph 12") == 1.0
+    assert score("passage_retrieval_en", "Paragraph 12 or Paragraph 3", "Paragraph 12") == 0.5
+    assert score("passage_retrieval_en", "Paragraph 120", "Paragraph 12") == 0.0
+    assert score("passage_retrieval_en", "I do not know", "Paragraph 12") == 0.0
+    assert score("passage_retrieval_zh", "段落3", "段落3") == 1.0
+    assert score("passage_count", "There are 5 unique paragraphs", "5") == 1.0
+    assert score("passage_count", "5 or 6", "5") == 0.5
+    assert score("passage_count", "15", "5") == 0.0
+    assert score("passage_count", "", "5") == 0.0
 
 
-def test_code_sim():
+def test_code_sim(official):
     # skips the fence and the comment line, compares the first code line
-    assert M.code_sim_score("```python\n# add them\nreturn a + b\n```", "return a + b") == 1.0
-    assert M.code_sim_score("\n\nx = 1\ny = 2", "x = 1") == 1.0
-    assert M.code_sim_score("x = 1  # set x\ny = 2", "y = 2") == 1.0  # official skips lines *containing* '#'
-    # Indel ratio: "abcd" vs "abce" -> 2 edits over 8 chars -> 75
-    assert M.code_sim_score("abcd", "abce") == 0.75
-    assert M.code_sim_score("abc", "abd") == 0.67  # 66.67 rounded to fuzzywuzzy's integer 67
-    assert M.code_sim_score("# only a comment", "x = 1") == 0.0
+    assert score("lcc", "```python\n# add them\nreturn a + b\n```", "return a + b") == 1.0
+    assert score("lcc", "\n\nx = 1\ny = 2", "x = 1") == 1.0
+    assert score("lcc", "x = 1  # set x\ny = 2", "y = 2") == 1.0  # official skips lines *containing* '#'
+    # fuzz.ratio is difflib's ratio as an integer percentage: "abcd" / "abce" -> 2*3/8 = 75
+    assert score("repobench-p", "abcd", "abce") == 0.75
+    assert score("repobench-p", "abc", "abd") == 0.67  # 66.67 rounded to 67
+    # difflib takes the longest block "a, b" first and finds nothing beside it: 2*4/22 -> 36 (an edit-distance
+    # ratio finds 7 common characters: 64)
+    assert score("lcc", "a, b = b, a", "b, a = a, b") == 0.36
+    assert score("lcc", "# only a comment", "x = 1") == 0.0
 
 
-def test_first_line_rule_and_max_over_answers():
+def test_first_line_rule_and_max_over_answers(official):
     assert score_example("triviaqa", "\n\nParis\nQuestion: what else", ["Paris"], None) == 100.0
     # hotpotqa keeps every line: [paris, question, what] vs [paris] -> P 1/3, R 1, F1 1/2
     assert score_example("hotpotqa", "Paris\nQuestion: what", ["Paris"], None) == pytest.approx(50.0)
-    assert score_example("samsum", "Tom is late.\nDialogue: more", ["Tom is late."], None) == 100.0
+    assert score_example("samsum", "Tom is late\nDialogue: more", ["Tom is late"], None) == pytest.approx(100.0)
     assert score_example("hotpotqa", "Paris", ["London", "Paris France", "Paris"], None) == 100.0
     # best of [london: 0, "paris france": P 1, R 1/2, F1 2/3]
     assert score_example("hotpotqa", "Paris", ["London", "Paris France"], None) == pytest.approx(200 / 3)
@@ -191,19 +205,27 @@ def test_first_line_rule_and_max_over_answers():
         score_example("squad", "x", ["x"], None)
 
 
-def test_chinese_metrics_need_jieba(monkeypatch):
-    monkeypatch.setitem(sys.modules, "jieba", None)  # import fails as if not installed
-    for metric in (M.qa_f1_zh_score, M.rouge_zh_score):
-        with pytest.raises(ConfigError, match="pip install jieba") as err:
-            metric("北京", "北京")
-        assert "\n" not in str(err.value)
+def _without_lm_eval_metrics(monkeypatch, package: str) -> None:
+    """Import of ``package`` fails as if it were not installed, and lm-eval's metrics module is imported afresh."""
+    for name in [m for m in sys.modules if m == package or m.startswith(f"{package}.")] + [M.OFFICIAL_MODULE]:
+        monkeypatch.delitem(sys.modules, name, raising=False)  # put back afterwards
+    monkeypatch.setitem(sys.modules, package, None)
 
 
-@pytest.mark.skipif(not HAS_JIEBA, reason="jieba is not installed")
-def test_chinese_metrics_with_jieba():
-    assert M.qa_f1_zh_score("北京。", "北京") == 1.0
-    assert M.rouge_zh_score("今天天气很好", "今天天气很好") == 1.0
-    assert M.qa_f1_zh_score("上海", "北京") == 0.0
+@pytest.mark.parametrize("package, dist", [("jieba", "jieba"), ("rouge", "rouge"), ("lm_eval", "lm-eval")])
+def test_missing_scorer_package_is_one_line_naming_it_and_the_extra(monkeypatch, package, dist):
+    _without_lm_eval_metrics(monkeypatch, package)
+    for dataset, gold in (("hotpotqa", "Paris"), ("dureader", "北京")):
+        with pytest.raises(ConfigError) as err:
+            score_example(dataset, gold, [gold], None)
+        message = str(err.value)
+        assert f"missing {dist}" in message and "pip install -e '.[eval]'" in message and "\n" not in message
+
+
+def test_chinese_metrics(official):
+    assert score("multifieldqa_zh", "北京。", "北京") == 1.0
+    assert score("vcsum", "今天天气很好", "今天天气很好") == pytest.approx(1.0)
+    assert score("multifieldqa_zh", "上海", "北京") == 0.0
 
 
 # ---------------------------------------------------------------- truncation and buckets
@@ -250,6 +272,10 @@ GOOD = row("hotpotqa", ["Paris"], key="a")
             {**GOOD, "dataset": "trec", "all_classes": None},
             "field 'all_classes' must be a non-empty list of strings for trec",
         ),
+        (
+            {**GOOD, "dataset": "passage_retrieval_en", "answers": ["the first one"]},
+            "field 'answers' must each match 'Paragraph (\\\\d+)' for passage_retrieval_en",
+        ),
         ([1, 2], "must be a JSON object"),
     ],
 )
@@ -291,7 +317,7 @@ def all_kinds_rows() -> list[dict]:
     ]
 
 
-def test_gold_generator_scores_100_and_empty_scores_0(tmp_path):
+def test_gold_generator_scores_100_and_empty_scores_0(tmp_path, official):
     rows = all_kinds_rows()
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
     fake = FakeGenerator(gold_reply(rows, few_shot_tail="\nQuestion: next example"))
@@ -309,7 +335,7 @@ def test_gold_generator_scores_100_and_empty_scores_0(tmp_path):
     assert all(empty[name]["score"] == 0.0 for name in [*datasets, "average"])
 
 
-def test_prompt_is_filled_and_middle_truncated(tmp_path):
+def test_prompt_is_filled_and_middle_truncated(tmp_path, official):
     short = row("hotpotqa", ["Paris"], key="s", context="tiny", input="Where?")
     long_row = row("hotpotqa", ["Paris"], key="l", context="x" * 2000, input="Capital of France?")
     path = write_jsonl(tmp_path / "trunc.jsonl", [short, long_row])
@@ -325,19 +351,20 @@ def test_prompt_is_filled_and_middle_truncated(tmp_path):
     assert fake.decode(received).startswith("Answer the question") and fake.decode(received).endswith("Answer:")
 
 
-def test_no_room_for_prompt_and_missing_jieba_fail_before_generating(tmp_path, monkeypatch):
+def test_no_room_for_prompt_and_missing_scorer_fail_before_generating(tmp_path, monkeypatch, official):
     path = write_jsonl(tmp_path / "g.jsonl", [row("gov_report", ["s"], key="g")])
     fake = FakeGenerator(lambda _: "s", max_context=512)
     with pytest.raises(ConfigError, match="max_context 512 leaves no room"):
         run_longbench(path, fake, progress=False)
-    monkeypatch.setitem(sys.modules, "jieba", None)
-    zh = write_jsonl(tmp_path / "zh.jsonl", [row("hotpotqa", ["a"], key="h"), row("dureader", ["北京"], key="d")])
-    with pytest.raises(ConfigError, match="pip install jieba"):
-        run_longbench(zh, fake, progress=False)
+    _without_lm_eval_metrics(monkeypatch, "jieba")
+    en = write_jsonl(tmp_path / "en.jsonl", [row("hotpotqa", ["a"], key="h")])  # jieba is needed for any dataset
+    assert len(load_longbench(en)) == 1  # loading needs no lm-eval
+    with pytest.raises(ConfigError, match=r"missing jieba\): pip install -e '\.\[eval\]'"):
+        run_longbench(en, fake, progress=False)
     assert fake.calls == []
 
 
-def test_longbench_e_buckets(tmp_path):
+def test_longbench_e_buckets(tmp_path, official):
     rows = [
         row("hotpotqa", ["Paris"], key="short", length=100),
         row("hotpotqa", ["Rome"], key="mid", length=5000),
