@@ -191,16 +191,12 @@ def metric_disagreements(ours: Callable[[str], Callable], official, n: int = N_P
     """Per metric, the cases where ``ours(metric)(prediction, gold, all_classes=...)`` and lm-eval's differ."""
     bad: dict[str, list] = {}
     for metric in M.METRICS:
-        theirs = getattr(official, metric)
-        bad[metric] = [
-            (pred, gold, mine, ref)
-            for pred, gold, classes in metric_cases(metric, n)
-            if abs(
-                (mine := ours(metric)(pred, gold, all_classes=classes))
-                - (ref := theirs(pred, gold, all_classes=classes))
-            )
-            > TOLERANCE
-        ]
+        mine, theirs = ours(metric), getattr(official, metric)
+        bad[metric] = []
+        for prediction, gold, classes in metric_cases(metric, n):
+            a, b = mine(prediction, gold, all_classes=classes), theirs(prediction, gold, all_classes=classes)
+            if abs(a - b) > TOLERANCE:
+                bad[metric].append((prediction, gold, a, b))
     return bad
 
 
