@@ -6,14 +6,20 @@ discrimination plus Elastic-Softmax.
   longer distances use the table's last entry, so contexts past the table still work.
 - Elastic-Softmax ``a_ij = relu(softmax_j(s_ij) - tau_h / n_i)`` with ``n_i`` the number of keys
   query i attends (i + 1 at 0-based position i) and a learnable per-head ``tau_h`` (init 1).
-  Rows sum to at most 1; weak weights become exactly 0.
+  With tau > 0 rows sum to at most 1 and weak weights become exactly 0; a negative tau (the paper
+  reports learned negative offsets) adds |tau|/n to every visible weight (rows sum to 1 + |tau|).
 
 Fast path (appendix F), two FlexAttention passes over the same causal block mask:
-pass 1 gives each row's logsumexp ``lse`` of the biased scores; pass 2 uses the score
-``s + log(1 - (tau/n) exp(lse - s))`` where that argument is positive and -inf elsewhere, so
-its softmax numerators are ``e^lse * relu(p - tau/n)``; the output is ``out2 * exp(lse2 - lse)``
-= sum_j relu(p_ij - tau/n_i) v_j, exactly. It runs where FlexAttention has a backward (CUDA);
-on CPU the reference path trains, and tests check the composition forward-only.
+pass 1 gives each row's logsumexp ``lse`` of the biased scores, so ``p = exp(s - lse)``; pass 2
+uses the score ``log(relu(p - tau/n))`` (-inf where ``p <= tau/n``), so its softmax numerators
+are exactly the Elastic-Softmax weights and its logsumexp ``lse2`` is the log of their row sum;
+the output is ``out2 * exp(lse2)`` = sum_j relu(p_ij - tau/n_i) v_j, for every sign of tau (a
+negative tau lifts every visible weight by |tau|/n, so nothing is -inf). Gradients reach q, k, the
+bias table and tau through both passes (pass 1's ``lse`` is a captured tensor of pass 2). The
+causal block mask is built once per (query, key) length and shared by every layer; a single
+query (decode) needs none. It runs where FlexAttention is compiled (CUDA), compiled once for
+dynamic lengths (``compiled_two_pass``); on CPU the reference path trains, and tests run this
+composition through eager FlexAttention for values and gradients.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from torch import Tensor, nn
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, register_attention
-from model.attention.flex import flex_attention_fn, flex_available
+from model.attention.flex import flex_available
 from model.errors import check_choice, check_min
 
 BIAS_INITS = ("zeros", "alibi")
@@ -94,36 +100,93 @@ class LazyAttention(Attention):
         return q.is_cuda and flex_available()
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        flex = flex_attention_fn(q.is_cuda)
-        tq, tk = q.shape[2], k.shape[2]
-        bias, tau, last = self.distance_bias, self.tau, self.table - 1
-        q_pos = q_pos.to(q.device)
-
-        def biased(score, b, h, qi, kv):  # positions of keys are their indices (0..Tk-1)
-            return score - bias[h, (q_pos[qi] - kv).clamp(0, last)].to(score.dtype)
-
-        def causal(b, h, qi, kv):
-            return kv <= q_pos[qi]
-
-        block_mask = create_block_mask(causal, None, None, tq, tk, device=q.device)
-        kwargs = dict(
-            block_mask=block_mask,
-            scale=1.0 / math.sqrt(self.spec.head_dim),
-            enable_gqa=k.shape[1] != q.shape[1],
-            return_lse=True,
+        """Two FlexAttention passes (module docstring). Queries are at positions ``Tk - Tq .. Tk - 1``
+        and keys at ``0 .. Tk - 1``, which is what the base class passes (training, prefill, decode)."""
+        two_pass = compiled_two_pass() if q.is_cuda else elastic_two_pass
+        out = two_pass(
+            q,
+            k,
+            v,
+            self.distance_bias,
+            self.tau,
+            q_pos.to(q.device),
+            causal_block_mask(q.shape[2], k.shape[2], q.device),
+            1.0 / math.sqrt(self.spec.head_dim),
+            self.table - 1,
         )
-        _, lse = flex(q, k, v, score_mod=biased, **kwargs)
-
-        def elastic(score, b, h, qi, kv):
-            s = biased(score, b, h, qi, kv)
-            c = tau[h].to(score.dtype) / (q_pos[qi] + 1).to(score.dtype)
-            arg = 1.0 - c * torch.exp((lse[b, h, qi].to(score.dtype) - s).clamp(max=80.0))
-            return torch.where(arg > 0, s + torch.log(arg.clamp(min=1e-30)), float("-inf"))
-
-        out2, lse2 = flex(q, k, v, score_mod=elastic, **kwargs)
-        weight = torch.exp(lse2 - lse).nan_to_num(0.0)  # a row with nothing above threshold: lse2 = -inf
         # sink ratio and density need the dense weights: the reference path and eval.run attention_stats give them
         stats = {"tau": self.tau.mean().detach()} if self.collect_stats else {}
-        return AttnOut((out2.nan_to_num(0.0) * weight[..., None].to(out2.dtype)).to(q.dtype), stats=stats)
+        return AttnOut(out, stats=stats)
+
+
+def elastic_two_pass(
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, q_pos: Tensor, block_mask, scale: float, last: int
+) -> Tensor:
+    """sum_j relu(softmax_j(s_ij) - tau_h / (q_pos_i + 1)) v_j with s = q.k * scale - bias[h, clamp(i - j, 0, last)],
+    as two FlexAttention calls (module docstring); keys at positions 0 .. Tk - 1, ``block_mask`` causal."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    def biased(score, b, h, qi, kv):
+        return score - bias[h, (q_pos[qi] - kv).clamp(0, last)].to(score.dtype)
+
+    kwargs = dict(
+        block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True)
+    )
+    lse = flex_attention(q, k, v, score_mod=biased, **kwargs)[1].lse
+
+    def elastic(score, b, h, qi, kv):
+        # s <= lse on every visible key, so the bound never changes a weight; it keeps future keys
+        # (masked out after this mod) finite, so that their zero gradient stays zero
+        p = torch.exp(torch.clamp(biased(score, b, h, qi, kv) - lse[b, h, qi].to(score.dtype), max=1.0))
+        # the first query sees one key: p = 1 exactly, not lse's rounding of it (at tau = 1, the paper's
+        # init, that weight sits exactly on the threshold, and the reference's zero gradient needs p = 1)
+        p = torch.where(q_pos[qi] == 0, 1.0, p)
+        d = p - tau[h].to(score.dtype) / (q_pos[qi] + 1).to(score.dtype)
+        keep = d > 0
+        return torch.where(keep, torch.log(torch.where(keep, d, 1.0)), float("-inf"))
+
+    out2, aux = flex_attention(q, k, v, score_mod=elastic, **kwargs)
+    # out2 = sum_j relu(p_ij - tau/n_i) v_j / sum_j relu(...) and lse2 = log sum_j relu(...); a row with
+    # nothing above the threshold has lse2 = -inf (weight 0) and a zero (or NaN) out2
+    weight = torch.exp(aux.lse)[..., None]
+    return (torch.where(weight > 0, out2, 0.0) * weight.to(out2.dtype)).to(q.dtype)
+
+
+_COMPILED = None
+COMPILE_OPTIONS = dict(dynamic=True)  # lengths are symbolic: decode and variable-length evaluation do not recompile
+
+
+def compiled_two_pass():
+    """``elastic_two_pass`` compiled (the fused FlexAttention kernels). A compiled frame of its own, so its few graphs
+    (decode without a block mask, one or many query / key blocks, with and without grad) do not share dynamo's
+    per-function recompile budget (8) with other FlexAttention users; past it dynamo runs a function eagerly."""
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(elastic_two_pass, **COMPILE_OPTIONS)
+    return _COMPILED
+
+
+_BLOCK_MASKS: dict[tuple[int, int, str], object] = {}
+BLOCK_MASKS_KEPT = 8  # distinct (query, key) lengths kept; the oldest is dropped first
+
+
+def causal_block_mask(tq: int, tk: int, device: torch.device | str):
+    """FlexAttention block mask for queries at positions ``tk - tq .. tk - 1`` over keys ``0 .. tk - 1``,
+    cached per shape and shared by every layer and module; None for one query (it sees every key)."""
+    if tq == 1:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (tq, tk, str(device))
+    mask = _BLOCK_MASKS.pop(key, None)
+    if mask is None:
+        offset = torch.tensor(tk - tq, device=device)  # a tensor, so a compiled flex does not specialise on it
+
+        def causal(b, h, qi, kv):
+            return kv <= qi + offset
+
+        mask = create_block_mask(causal, None, None, tq, tk, device=device)
+        while len(_BLOCK_MASKS) >= BLOCK_MASKS_KEPT:
+            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
+    _BLOCK_MASKS[key] = mask  # most recently used last
+    return mask
