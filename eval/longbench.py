@@ -29,9 +29,9 @@ from typing import Any
 
 from tqdm import tqdm
 
+from core.errors import ConfigError
 from eval.generation import Generator
 from eval.longbench_metrics import DATASET_METRIC, official_metric, official_metrics
-from model.errors import ConfigError
 
 DATASETS: tuple[str, ...] = tuple(DATASET_METRIC)
 

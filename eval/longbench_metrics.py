@@ -46,7 +46,7 @@ import warnings
 from collections.abc import Callable
 from types import ModuleType
 
-from model.errors import ConfigError
+from core.errors import ConfigError
 
 OFFICIAL_MODULE = "lm_eval.tasks.longbench.metrics"
 # import name -> distribution: what lm-eval's LongBench metrics import (its ``longbench`` extra)

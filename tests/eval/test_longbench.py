@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError
 from eval import longbench_metrics as M
 from eval.longbench import (
     DATASETS,
@@ -26,7 +27,6 @@ from eval.longbench import (
     score_example,
     truncate_middle,
 )
-from model.errors import ConfigError
 
 TREC_CLASSES = ["Abbreviation", "Expression abbreviated", "City", "Other location", "Individual"]
 

@@ -374,7 +374,7 @@ for name in ("lm_eval", "rouge", "fuzzywuzzy", "jieba"):
     sys.modules[name] = None  # import fails as if not installed
 import eval.longbench as lb
 from eval.run import parse_tasks
-from model.errors import ConfigError
+from core.errors import ConfigError
 from tests.eval.test_longbench_official import canned_generator
 path = sys.argv[1]
 out = {"rows": len(lb.load_longbench(path)), "tasks": parse_tasks("longbench:" + path)[0]}
