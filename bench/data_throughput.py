@@ -259,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         if len(train) < 1:
             print(
-                f"error: --data: the training split has {len(train.tokens)} tokens, fewer than one {seq_len + 1}-token sequence",
+                f"error: --data: the training split has {len(train.tokens)} tokens, fewer than one {seq_len + 1}-token "
+                "sequence",
                 file=sys.stderr,
             )
             return 2

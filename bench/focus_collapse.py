@@ -97,7 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         results = {label: run(label, args, Path(tmp)) for label in labels}
     print(
-        f"largest group's share of tokens (K = {args.groups}, uniform = {1 / args.groups:.1%}, argmax assignment, mean over layers); "
+        f"largest group's share of tokens (K = {args.groups}, uniform = {1 / args.groups:.1%}, argmax assignment, mean "
+        "over layers); "
         f"tiny LLaMA, window {args.window}, batch {args.batch_size} x {args.seq_len}, every weight trainable"
     )
     print("| step | " + " | ".join(f"{label} max group | {label} confidence" for label in labels) + " |")
@@ -107,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         for label in labels:
             r = results[label].get(step, {})
             cells.append(
-                f"{r.get('attn/focus/max_group_share', float('nan')):.1%} | {r.get('attn/focus/confidence', float('nan')):.2f}"
+                f"{r.get('attn/focus/max_group_share', float('nan')):.1%} | "
+                f"{r.get('attn/focus/confidence', float('nan')):.2f}"
             )
         print(f"| {step} | " + " | ".join(cells) + " |")
     return 0

@@ -112,11 +112,13 @@ def _prepared_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], N
     tokenizer = load_prepared_tokenizer(cfg.path, index)
     if cfg.tokenizer != "train" and load_tokenizer(cfg.tokenizer).fingerprint != tokenizer.fingerprint:
         raise ConfigError(
-            f"data.tokenizer: {cfg.tokenizer} is not the tokenizer the shards in {cfg.path} were written with; leave data.tokenizer = 'train' (the shards carry theirs)"
+            f"data.tokenizer: {cfg.tokenizer} is not the tokenizer the shards in {cfg.path} were written with; leave "
+            "data.tokenizer = 'train' (the shards carry theirs)"
         )
     if tokenizer.vocab_size > vocab_size:
         raise ConfigError(
-            f"model.vocab_size: {vocab_size} is smaller than the {tokenizer.vocab_size} tokens of the prepared shards' tokenizer"
+            f"model.vocab_size: {vocab_size} is smaller than the {tokenizer.vocab_size} tokens of the prepared shards' "
+            "tokenizer"
         )
     for name, split in (("training", train), ("validation", val)):
         if len(split) < 1:
@@ -126,7 +128,8 @@ def _prepared_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], N
     sample = np.asarray(train.tokens[: min(len(train.tokens), ENTROPY_SAMPLE)])
     splits = index["splits"]
     log(
-        f"data: prepared shards {cfg.path}, {splits['train']['documents']:,} train / {splits['val']['documents']:,} validation documents, "
+        f"data: prepared shards {cfg.path}, {splits['train']['documents']:,} train / {splits['val']['documents']:,} "
+        "validation documents, "
         f"{splits['train']['tokens']:,} / {splits['val']['tokens']:,} tokens ({index['dtype']})"
     )
     return Corpus(
@@ -170,17 +173,20 @@ def _stream_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
         val = PackedDataset(val_tokens, cfg.seq_len)
         if len(val) < 1:
             raise ConfigError(
-                f"data.val_path: {cfg.val_path} holds {len(val_tokens)} tokens, fewer than data.seq_len + 1 = {cfg.seq_len + 1}"
+                f"data.val_path: {cfg.val_path} holds {len(val_tokens)} tokens, fewer than data.seq_len + 1 = "
+                f"{cfg.seq_len + 1}"
             )
     log(
-        f"data: streaming {described} (split {cfg.split}, shuffle window {cfg.shuffle_window}, {cfg.num_workers} loader workers per rank); "
+        f"data: streaming {described} (split {cfg.split}, shuffle window {cfg.shuffle_window}, {cfg.num_workers} "
+        "loader workers per rank); "
         + (
             f"validation {cfg.val_path}, {len(val):,} sequences"
             if val is not None
             else "no validation split (set data.val_path)"
         )
     )
-    settings = f"{described}|{cfg.split}|{cfg.shuffle_window}|{cfg.text_field}|{tokenizer.fingerprint}|{cfg.seq_len}|{cfg.val_path}"
+    parts = (described, cfg.split, cfg.shuffle_window, cfg.text_field, tokenizer.fingerprint, cfg.seq_len, cfg.val_path)
+    settings = "|".join(map(str, parts))
     return Corpus(
         tokenizer=tokenizer,
         train=None,

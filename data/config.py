@@ -109,14 +109,16 @@ class DataConfig:
         if self.source == "prepared":
             if not self.path or not (Path(self.path).expanduser() / "index.json").is_file():
                 raise ConfigError(
-                    f"data.path: {self.path!r} is not a prepared shard directory (no index.json); write one with python -m data.prepare"
+                    f"data.path: {self.path!r} is not a prepared shard directory (no index.json); write one with "
+                    "python -m data.prepare"
                 )
         check_min("data.seq_len", self.seq_len, 1)
         check_range("data.val_fraction", self.val_fraction, 0.0, 1.0, open_low=True, open_high=True)
         check_min("data.vocab_size", self.vocab_size, 0, note=" (0 = model.vocab_size)")
         if self.tokenizer == "train" and 0 < self.vocab_size < MIN_TRAINED_VOCAB:
             raise ConfigError(
-                f"data.vocab_size: {self.vocab_size} is too small for a trained tokenizer; must be 0 (= model.vocab_size) or >= {MIN_TRAINED_VOCAB}"
+                f"data.vocab_size: {self.vocab_size} is too small for a trained tokenizer; must be 0 (= "
+                f"model.vocab_size) or >= {MIN_TRAINED_VOCAB}"
             )
         if not self.text_field:
             raise ConfigError("data.text_field: must name the jsonl field / parquet column holding the text, got ''")
@@ -125,18 +127,21 @@ class DataConfig:
 
             if not self.path:
                 raise ConfigError(
-                    "data.path: required with data.source = 'local' (a file, folder or glob of .txt, .jsonl or .parquet)"
+                    "data.path: required with data.source = 'local' (a file, folder or glob of .txt, .jsonl or "
+                    ".parquet)"
                 )
             resolve_paths(self.path)
         if self.tokenizer != "train":
             path = Path(self.tokenizer).expanduser()
             if not path.exists():
                 raise ConfigError(
-                    f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a tokenizer.json, a .tiktoken file or a Hugging Face tokenizer folder)"
+                    f"data.tokenizer: no such file {self.tokenizer!r} (expected 'train', a SentencePiece .model, a "
+                    "tokenizer.json, a .tiktoken file or a Hugging Face tokenizer folder)"
                 )
             if path.is_file() and path.suffix not in (".model", ".json", ".tiktoken"):
                 raise ConfigError(
-                    f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a .tiktoken file"
+                    f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a "
+                    ".tiktoken file"
                 )
 
     @property

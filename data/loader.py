@@ -110,7 +110,8 @@ def check_batch_layout(batch_size: int, micro_batch_size: int, world_size: int) 
             raise ConfigError(f"{name}: must be >= 1, got {value}")
     if batch_size % (micro_batch_size * world_size):
         raise ConfigError(
-            f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world size ({world_size})"
+            f"train.batch_size: {batch_size} is not divisible by train.micro_batch_size ({micro_batch_size}) x world "
+            f"size ({world_size})"
         )
     return batch_size // (micro_batch_size * world_size)
 
@@ -175,7 +176,8 @@ class StreamBatchLoader:
         states = states if isinstance(states, list) else [states]
         if any(s.get("kind") != "stream" for s in states):
             raise ConfigError(
-                "data.source: the checkpoint was written by an indexable (non-streamed) run; resume it with the same data settings"
+                "data.source: the checkpoint was written by an indexable (non-streamed) run; resume it with the same "
+                "data settings"
             )
         if len(states) == self.world_size:
             self.loader.load_state_dict(states[self.rank]["state"])

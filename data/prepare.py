@@ -283,7 +283,8 @@ def summary_line(out: Path, index: dict) -> str:
     shards = len(train["shards"]) + len(val["shards"])
     return (
         f"prepared {out}: {train['documents'] + val['documents']:,} documents ({train['documents']:,} train / "
-        f"{val['documents']:,} val), {train['tokens'] + val['tokens']:,} tokens ({train['tokens']:,} / {val['tokens']:,}), "
+        f"{val['documents']:,} val), {train['tokens'] + val['tokens']:,} tokens ({train['tokens']:,} / "
+        f"{val['tokens']:,}), "
         f"{shards} shards, {index['dtype']}, fingerprint {index['fingerprint']}"
     )
 

@@ -358,7 +358,8 @@ def _field(index: dict, path: str, kind: type | tuple[type, ...], where: Path):
         value = value[key]
     if not isinstance(value, kind) or isinstance(value, bool):
         raise ConfigError(
-            f"data.path: {where} is not a valid shard index (field {path!r} has the wrong type); re-run python -m data.prepare"
+            f"data.path: {where} is not a valid shard index (field {path!r} has the wrong type); re-run python -m "
+            "data.prepare"
         )
     return value
 
@@ -381,7 +382,8 @@ def read_index(directory: str | Path) -> dict:
         raise ConfigError(f"data.path: {path} is not a {FORMAT} index; re-run python -m data.prepare")
     if index.get("version") != VERSION:
         raise ConfigError(
-            f"data.path: {path} has format version {index.get('version')!r}, this code reads {VERSION}; re-run python -m data.prepare"
+            f"data.path: {path} has format version {index.get('version')!r}, this code reads {VERSION}; re-run python "
+            "-m data.prepare"
         )
     if _field(index, "dtype", str, path) not in DTYPES:
         raise ConfigError(f"data.path: {path} has dtype {index['dtype']!r}; expected one of {', '.join(DTYPES)}")
@@ -397,7 +399,8 @@ def read_index(directory: str | Path) -> dict:
                 or not isinstance(shard.get("tokens"), int)
             ):
                 raise ConfigError(
-                    f"data.path: {path} is not a valid shard index (a {split} shard lacks file / tokens); re-run python -m data.prepare"
+                    f"data.path: {path} is not a valid shard index (a {split} shard lacks file / tokens); re-run "
+                    "python -m data.prepare"
                 )
     return index
 
@@ -417,7 +420,8 @@ def open_split(directory: str | Path, index: dict, split: str, seq_len: int) -> 
         actual = path.stat().st_size
         if actual != expected:
             raise ConfigError(
-                f"data.path: shard {path} holds {actual} bytes but {INDEX_FILE} says {shard['tokens']} {index['dtype']} tokens "
+                f"data.path: shard {path} holds {actual} bytes but {INDEX_FILE} says {shard['tokens']} "
+                f"{index['dtype']} tokens "
                 f"({expected} bytes); the folder is damaged, re-run python -m data.prepare"
             )
         if shard["tokens"]:  # an empty file cannot be memory-mapped; it adds nothing to the stream
@@ -446,6 +450,7 @@ def load_prepared_tokenizer(directory: str | Path, index: dict):
     tok = load_tokenizer(Path(directory).expanduser() / index["tokenizer"]["file"])
     if tok.fingerprint != index["tokenizer"]["fingerprint"]:
         raise ConfigError(
-            f"data.path: {tok.path} does not match the tokenizer fingerprint in {INDEX_FILE}; re-run python -m data.prepare"
+            f"data.path: {tok.path} does not match the tokenizer fingerprint in {INDEX_FILE}; re-run python -m "
+            "data.prepare"
         )
     return tok

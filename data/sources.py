@@ -11,33 +11,14 @@ from __future__ import annotations
 import glob
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 from core.errors import ConfigError
+from data.documents import Document, normalise_text
+from data.embedded import iter_embedded
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 _GLOB_CHARS = "*?["
-
-
-@dataclass(frozen=True)
-class Document:
-    id: str
-    text: str
-
-
-def normalise_text(raw: bytes | str, *, where: str = "") -> str:
-    """UTF-8 (BOM stripped) with LF line endings."""
-    if isinstance(raw, bytes):
-        try:
-            text = raw.decode("utf-8-sig")
-        except UnicodeDecodeError as exc:
-            raise ConfigError(
-                f"data.path: {where or 'a document'} is not UTF-8 text (invalid byte at offset {exc.start})"
-            ) from None
-    else:
-        text = raw.removeprefix("\ufeff")
-    return text.replace("\r\n", "\n").replace("\r", "\n")
 
 
 def _is_glob(path: str) -> bool:
@@ -141,8 +122,6 @@ def iter_local(path: str, text_field: str = "text") -> Iterator[Document]:
 def iter_documents(cfg) -> Iterator[Document]:
     """Documents of ``cfg.source`` (a DataConfig) in a deterministic order."""
     if cfg.source == "embedded":
-        from data.embedded import iter_embedded
-
         return iter_embedded()
     if cfg.source == "local":
         return iter_local(cfg.path, cfg.text_field)

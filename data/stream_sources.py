@@ -94,7 +94,8 @@ class SourceSpec:
         if ds.features is not None:
             if columns[0] not in ds.features:
                 raise ConfigError(
-                    f"data.text_field: source {self.name!r} has no field {self.text_field!r} (fields: {', '.join(ds.features)})"
+                    f"data.text_field: source {self.name!r} has no field {self.text_field!r} (fields: "
+                    f"{', '.join(ds.features)})"
                 )
             columns = [c for c in dict.fromkeys(columns) if c in ds.features]  # a missing label column is no error
             ds = ds.select_columns(columns)
@@ -109,7 +110,8 @@ def _local_spec(name: str, path: str, text_field: str, key: str, files: list[Pat
     kinds = sorted({f.suffix for f in files})
     if len(kinds) > 1:
         raise ConfigError(
-            f"{key}: {path!r} mixes {' and '.join(kinds)} files; a streamed source holds one file type (use data.mixture for several)"
+            f"{key}: {path!r} mixes {' and '.join(kinds)} files; a streamed source holds one file type (use "
+            "data.mixture for several)"
         )
     root = _root(path)
     return SourceSpec(
@@ -164,7 +166,8 @@ def resolve_source(
         files = resolve_paths(key)
     except ConfigError:
         raise ConfigError(
-            f"{field}: {key!r} is neither a named source ({', '.join(HUB_SOURCES)}[:config]) nor an existing file, folder or glob of .txt, .jsonl or .parquet"
+            f"{field}: {key!r} is neither a named source ({', '.join(HUB_SOURCES)}[:config]) nor an existing file, "
+            "folder or glob of .txt, .jsonl or .parquet"
         ) from None
     return _local_spec(key, key, text_field, field, files)
 

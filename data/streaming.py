@@ -100,7 +100,8 @@ class StreamConfig:
         if not self.mixture:
             if self.source != LOCAL and self.path:
                 raise ConfigError(
-                    f"data.path: must be empty with data.source = {self.source!r} (a named hub source), got {self.path!r}"
+                    f"data.path: must be empty with data.source = {self.source!r} (a named hub source), got "
+                    f"{self.path!r}"
                 )
             spec = resolve_source(
                 self.source, path=self.path, config=self.config_name, split=self.split, text_field=self.text_field
@@ -496,8 +497,10 @@ class StreamDataset(torch.utils.data.IterableDataset):
             raise ConfigError("data: the checkpoint holds no streaming loader state")
         if states[0]["workers"] != G or [s["worker"] for s in states] != want:
             raise ConfigError(
-                f"data: the checkpoint's loader state is for loader workers {[s['worker'] for s in states]} of {states[0]['workers']}, "
-                f"this rank runs {want} of {G} (ranks x workers); pass every rank's loader state as resume_from to re-derive positions"
+                f"data: the checkpoint's loader state is for loader workers {[s['worker'] for s in states]} of "
+                f"{states[0]['workers']}, "
+                f"this rank runs {want} of {G} (ranks x workers); pass every rank's loader state as resume_from to "
+                "re-derive positions"
             )
         for s in states:
             self._check_same_run(s)
@@ -515,7 +518,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
             )
         if (state["worker"], state["workers"]) != (g, G):
             raise ConfigError(
-                f"data: the state is for loader worker {state['worker']} of {state['workers']}, this is worker {g} of {G}"
+                f"data: the state is for loader worker {state['worker']} of {state['workers']}, this is worker {g} of "
+                f"{G}"
             )
         self._check_same_run(state)
         self._pending, self._live = state, None
@@ -527,7 +531,8 @@ class StreamDataset(torch.utils.data.IterableDataset):
         G_old = states[0]["workers"]
         if [s["worker"] for s in states] != list(range(G_old)):
             raise ConfigError(
-                f"data: resume_from holds the states of loader workers {[s['worker'] for s in states]} of {G_old}; pass every rank's loader state"
+                f"data: resume_from holds the states of loader workers {[s['worker'] for s in states]} of {G_old}; "
+                "pass every rank's loader state"
             )
         for s in states:
             self._check_same_run(s)
@@ -546,12 +551,14 @@ class StreamDataset(torch.utils.data.IterableDataset):
         for spec in self.specs:
             if spec.kind != LOCAL:
                 raise ConfigError(
-                    f"data: source {spec.name!r} streams from the hub, whose position cannot be re-derived on another world size; "
+                    f"data: source {spec.name!r} streams from the hub, whose position cannot be re-derived on another "
+                    "world size; "
                     f"resume with ranks x loader workers = {G_old}"
                 )
         if any(s["rule"] is not None for st in old for s in st["streams"]):
             raise ConfigError(
-                f"data: the world size changed again before the epoch of the previous change ended; resume with ranks x loader workers = {G_old}"
+                "data: the world size changed again before the epoch of the previous change ended; resume with ranks "
+                f"x loader workers = {G_old}"
             )
         state = self._fresh_state(g, G)
         state["generation"] = max(s["generation"] for s in old) + 1
@@ -615,7 +622,9 @@ class StreamDataset(torch.utils.data.IterableDataset):
         return self.sequences()
 
     def token_counts(self) -> dict[str, int]:
-        """Target tokens per source produced by this process's iterator (with loader workers: StreamLoader.token_counts)."""
+        """Target tokens per source produced by this process's iterator.
+
+        With loader workers, StreamLoader.token_counts."""
         return token_counts(self.state_dict(), self.source_names)
 
 

@@ -161,7 +161,8 @@ def parse_tasks(raw: str) -> tuple[list[str], list[str]]:
         extra = "" if harness else " (lm-eval tasks such as hellaswag need pip install -e '.[eval]')"
         allowed = ", ".join(sorted({*TASKS, *harness}))
         raise ConfigError(
-            f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, longbench:<file.jsonl>{extra}"
+            f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, "
+            f"longbench:<file.jsonl>{extra}"
         )
     return tasks, others
 
@@ -210,7 +211,8 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=None,
-        help="lm-eval tasks: folder with the task data (the layout of ../shared/data); default $FOCUSED_PRETRAIN_EVAL_DATA",
+        help="lm-eval tasks: folder with the task data (the layout of ../shared/data); "
+        "default $FOCUSED_PRETRAIN_EVAL_DATA",
     )
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval tasks: requests per forward")
     p.add_argument(
@@ -338,16 +340,19 @@ def main(argv: list[str] | None = None) -> int:
                     device=device,
                 )
                 print(
-                    f"ppl: {args.ppl_data} loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte {r['bits_per_byte']:.4f} over {r['tokens']:,} tokens"
+                    f"ppl: {args.ppl_data} loss {r['loss']:.4f} | perplexity {r['perplexity']:.2f} | bits/byte "
+                    f"{r['bits_per_byte']:.4f} over {r['tokens']:,} tokens"
                 )
             elif task == "ppl":
                 if corpus.val is None:
                     raise ConfigError(
-                        "--ppl-data: the run has no validation split (a stream without data.val_path); give text to score"
+                        "--ppl-data: the run has no validation split (a stream without data.val_path); give text to "
+                        "score"
                     )
                 results["ppl"] = task_ppl(model, corpus, limit=args.limit, device=device)
                 print(
-                    f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity {results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens"
+                    f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity "
+                    f"{results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens"
                 )
             elif task == "sample":
                 results["sample"] = task_sample(

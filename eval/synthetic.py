@@ -95,7 +95,10 @@ KEY_TYPES = ("words", "uuids")
 _NEEDLE_SHAPES = {"single": (1, 1, 1), "multikey": (4, 1, 1), "multivalue": (1, 4, 1), "multiquery": (4, 1, 4)}
 
 # HELMET json_kv (prompt from lost-in-the-middle kv_retrieval.prompt), 'Key: "..."' as lost-in-the-middle quotes it.
-KV_TEMPLATE = "{context}\n\nExtract the value corresponding to the specified key in the JSON object below.\n\n{demos}Key: {question}\nCorresponding value:"
+KV_TEMPLATE = (
+    "{context}\n\nExtract the value corresponding to the specified key in the JSON object below.\n\n"
+    "{demos}Key: {question}\nCorresponding value:"
+)
 KV_DEMO = "Key: {key}\nCorresponding value:{value}"
 
 # HELMET RAG (kilt_nq): instruction, passages, demos.
@@ -284,7 +287,8 @@ def _check_common(samples: int, max_new_tokens: int, shots: int = 0) -> None:
 
 def _too_short(length: int, what: str, tokens: int, new: int) -> ConfigError:
     return ConfigError(
-        f"--context-lengths: {length} is too short for {what}: its prompt needs {tokens} tokens without filler, plus {new} new tokens"
+        f"--context-lengths: {length} is too short for {what}: its prompt needs {tokens} tokens without filler, plus "
+        f"{new} new tokens"
     )
 
 
@@ -531,9 +535,10 @@ def needle_samples(
         for nd in needles:
             fill = None
             for depth in depths:
-                build = lambda n, nd=nd, depth=depth: _needle_prompt(
-                    nd, _haystack(haystack, words, n, nd.placed(depth))
-                )
+
+                def build(n, nd=nd, depth=depth):
+                    return _needle_prompt(nd, _haystack(haystack, words, n, nd.placed(depth)))
+
                 if fill is None:
                     text, tokens, fill = _fit(
                         build, encode, budget, limit=None, what=what, length=length, new=max_new_tokens
@@ -591,8 +596,9 @@ def _kv_prompt(gold: tuple[str, str], distractors: list[tuple[str, str]], depth:
 
 
 def kv_samples(
-    encode: Encode, *, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS, data_file: str | Path | None = None,
-    samples: int = 1, seed: int = 0, shots: int = 2, max_new_tokens: int = KV_NEW_TOKENS,
+    encode: Encode, *, lengths: Sequence[int], depths: Sequence[float] = DEFAULT_DEPTHS,
+    data_file: str | Path | None = None, samples: int = 1, seed: int = 0, shots: int = 2,
+    max_new_tokens: int = KV_NEW_TOKENS,
 ) -> list[Sample]:  # fmt: skip
     """HELMET json_kv prompts: a JSON object of uuid pairs sized to the length, the gold pair at ``depth``.
 
@@ -626,9 +632,10 @@ def kv_samples(
         for gold, pool, limit in zip(golds, pools, limits):
             fill = None
             for depth in depths:
-                build = lambda n, gold=gold, pool=pool, depth=depth: _kv_prompt(
-                    gold, pool.take(n + shots), depth, shots
-                )
+
+                def build(n, gold=gold, pool=pool, depth=depth):
+                    return _kv_prompt(gold, pool.take(n + shots), depth, shots)
+
                 if fill is None:
                     text, tokens, fill = _fit(
                         build, encode, budget, limit=limit, what=task, length=length, new=max_new_tokens
@@ -746,9 +753,10 @@ def rag_samples(
             limit = ends[-1] if ends else 0
             fill = None
             for depth in depths:
-                build = lambda n, qa=qa, demos=demos, pool=pool, ends=ends, depth=depth: _rag_prompt(
-                    qa, demos, pool, ends, n, depth
-                )
+
+                def build(n, qa=qa, demos=demos, pool=pool, ends=ends, depth=depth):
+                    return _rag_prompt(qa, demos, pool, ends, n, depth)
+
                 if fill is None:
                     text, tokens, fill = _fit(
                         build,
@@ -794,7 +802,8 @@ def evaluate_samples(
         scores.extend(cell)
         if progress:
             print(
-                f"[{items[0].task}] length {length} depth {depth:g}: {grid[str(length)][str(depth)]:.1f} ({len(cell)} samples)",
+                f"[{items[0].task}] length {length} depth {depth:g}: {grid[str(length)][str(depth)]:.1f} ({len(cell)} "
+                "samples)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -54,7 +54,10 @@ VARIANT_NOTES = {
     "lazy": "Lazy attention: distance bias + Elastic-Softmax; a large RoPE base, as the paper trains with",
     "focal": "Focal temperature attention",
     "dga": "Dynamic Group Attention, causal chunked selection (docs/dga.md)",
-    "prescored_hyper": "pre-scored HyperAttention: an approximation for long inputs; train with *_full.toml and evaluate with this config's attention (docs/prescored_hyper.md)",
+    "prescored_hyper": (
+        "pre-scored HyperAttention: an approximation for long inputs; train with *_full.toml and evaluate "
+        "with this config's attention (docs/prescored_hyper.md)"
+    ),
 }
 GLOBAL_TOKENS = 1 << 20  # sequences per step = this / the preset's length
 
@@ -106,7 +109,8 @@ def render(preset: str, variant: str) -> str:
     header = [
         f"# {preset} with {VARIANT_NOTES[variant]}.",
         f"# One node of 8 GPUs: fsdp2, bf16, compile, activation checkpointing {size.activation_checkpointing};",
-        f"# {GLOBAL_TOKENS // PRESETS[preset]['max_seq_len']} sequences x {PRESETS[preset]['max_seq_len']} tokens per step. Written by python -m launch.presets.",
+        f"# {GLOBAL_TOKENS // PRESETS[preset]['max_seq_len']} sequences x {PRESETS[preset]['max_seq_len']} tokens per "
+        "step. Written by python -m launch.presets.",
         "#   python -m launch.submit --config launch/configs/" + f"{preset}_{variant}.toml --nodes 1 --gpus-per-node 8",
         "# Validation loss needs held-out local files: --set data.val_path=DIR.",
         "",

@@ -76,7 +76,8 @@ def _check(args: argparse.Namespace, cfg) -> int:
         raise ConfigError(f"--procs-per-node: must be >= 0, got {args.procs_per_node}")
     if args.gpus_per_node and args.procs_per_node and args.procs_per_node != args.gpus_per_node:
         raise ConfigError(
-            f"--procs-per-node: {args.procs_per_node} differs from --gpus-per-node {args.gpus_per_node}; one process drives one GPU"
+            f"--procs-per-node: {args.procs_per_node} differs from --gpus-per-node {args.gpus_per_node}; one process "
+            "drives one GPU"
         )
     if args.signal_seconds < 1:
         raise ConfigError(f"--signal-seconds: must be >= 1, got {args.signal_seconds}")
@@ -84,11 +85,13 @@ def _check(args: argparse.Namespace, cfg) -> int:
     world = args.nodes * procs
     if world > 1 and cfg.train.engine == "single":
         raise ConfigError(
-            f"train.engine: single runs one process, but {args.nodes} node(s) x {procs} make {world}; use ddp, fsdp2 or deepspeed"
+            f"train.engine: single runs one process, but {args.nodes} node(s) x {procs} make {world}; use ddp, fsdp2 "
+            "or deepspeed"
         )
     if cfg.train.micro_batch_size and cfg.train.batch_size % (cfg.train.micro_batch_size * world):
         raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} is not divisible by train.micro_batch_size ({cfg.train.micro_batch_size}) x {world} processes"
+            f"train.batch_size: {cfg.train.batch_size} is not divisible by train.micro_batch_size "
+            f"({cfg.train.micro_batch_size}) x {world} processes"
         )
     if cfg.train.batch_size % world:
         raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by the {world} processes")

@@ -11,9 +11,10 @@ import argparse
 import json
 import sys
 
-from core.errors import ConfigError
 from core.configlib import apply_override
-from model.config import count_parameters, flops_per_token, memory_estimate, model_config_from_dict
+from core.errors import ConfigError
+from model.config import model_config_from_dict
+from model.counts import count_parameters, flops_per_token, memory_estimate
 
 
 def model_info(preset: str, overrides: list[str], *, seq_len: int = 0, micro_batch: int = 1) -> dict:
@@ -81,11 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"parameters              {info['parameters']:,}")
     print(f"non-embedding params    {info['non_embedding_parameters']:,}")
     print(
-        f"train FLOPs / token     {info['flops_per_token']:.4g} (attention {info['attention_flops_per_token']:.3g} at seq_len {info['seq_len']})"
+        f"train FLOPs / token     {info['flops_per_token']:.4g} (attention {info['attention_flops_per_token']:.3g} at "
+        f"seq_len {info['seq_len']})"
     )
     print(
-        f"train memory estimate   {mem['total_gib']:.2f} GiB (weights {mem['weights_gib']:.2f} + grads {mem['grads_gib']:.2f} + "
-        f"AdamW {mem['optimizer_gib']:.2f} + activations {mem['activations_gib']:.2f} at micro-batch {mem['micro_batch']})"
+        f"train memory estimate   {mem['total_gib']:.2f} GiB (weights {mem['weights_gib']:.2f} + grads "
+        f"{mem['grads_gib']:.2f} + "
+        f"AdamW {mem['optimizer_gib']:.2f} + activations {mem['activations_gib']:.2f} at micro-batch "
+        f"{mem['micro_batch']})"
     )
     return 0
 

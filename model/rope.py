@@ -27,7 +27,6 @@ from torch import Tensor, nn
 if TYPE_CHECKING:
     from model.config import RopeConfig
 
-SCALING_TYPES = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")
 LLAMA3_DEFAULTS = {"factor": 8.0, "original_max_seq_len": 8192}
 
 

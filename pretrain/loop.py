@@ -20,7 +20,7 @@ from core.rng import rng_state, set_rng_state
 from data.build import Corpus, build_corpus
 from data.loader import BatchLoader, StreamBatchLoader, eval_batches
 from eval.perplexity import mean_loss, perplexity
-from model.config import flops_per_token
+from model.counts import flops_per_token
 from model.transformer import build_model
 from pretrain import checkpoint as ckpt
 from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_first
@@ -165,7 +165,8 @@ class Trainer:
         state = ckpt.load_trainer_state(path)
         if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
-                f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to {path / 'tokenizer.model'}"
+                f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to "
+                f"{path / 'tokenizer.model'}"
             )
         ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
         self._say(f"initialised weights from {path} (step {state['step']})")
@@ -332,7 +333,8 @@ class Trainer:
             preempted = self.step < stop and self._stop_requested(preempt)
         if preempted:
             self._say(
-                f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step {self.step} and exiting with {PREEMPTED_EXIT_CODE}"
+                f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step "
+                f"{self.step} and exiting with {PREEMPTED_EXIT_CODE}"
             )
         elif self.step == cfg.max_steps:
             if not self.cfg.eval.every or self.step % self.cfg.eval.every:

@@ -106,7 +106,8 @@ class TrainConfig:
             )
         if self.deepspeed_config and self.engine == "deepspeed" and not Path(self.deepspeed_config).is_file():
             raise ConfigError(
-                f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see launch/deepspeed/)"
+                f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see "
+                "launch/deepspeed/)"
             )
         if self.unfreeze_at and not ENGINE_SPECS[self.engine].changes_trainable:
             capable = ", ".join(n for n, s in ENGINE_SPECS.items() if s.changes_trainable)
@@ -206,7 +207,8 @@ class RunConfig:
             if not registry[self.model.attention.kind].cls.supports_documents:
                 supported = ", ".join(k for k, e in sorted(registry.items()) if e.cls.supports_documents)
                 raise ConfigError(
-                    f"data.document_masking: not supported by model.attention.kind = {self.model.attention.kind!r}; supported: {supported}"
+                    f"data.document_masking: not supported by model.attention.kind = {self.model.attention.kind!r}; "
+                    f"supported: {supported}"
                 )
 
     def to_dict(self) -> dict[str, Any]:

@@ -10,7 +10,7 @@ import tarfile
 from collections.abc import Iterator
 from importlib import resources
 
-from data.sources import Document, normalise_text
+from data.documents import Document, normalise_text
 
 ARCHIVE = "shakespeare_plays.tar.xz"
 PLAY_SUFFIX = "_gut.txt"  # metadata.txt (the catalogue) sits beside the plays and is not a document

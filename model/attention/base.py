@@ -113,14 +113,15 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         documents: Tensor | None = None,
     ) -> AttnOut:
-        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute positions of the T tokens.
-        documents: [B, T] document index per token (document-aware masking; model/documents.py)."""
+        """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute
+        positions of the T tokens. documents: [B, T] document index per token (document-aware masking; model/documents.py)."""
         if documents is not None:
             if cache is not None:
                 raise ValueError("document masking applies to whole-sequence forwards, not to cached decoding")
             if not self.supports_documents:
                 raise ValueError(
-                    f"attention variant {self.name!r} has no document-aware masking (data.document_masking needs model.attention.kind = full)"
+                    f"attention variant {self.name!r} has no document-aware masking (data.document_masking needs "
+                    "model.attention.kind = full)"
                 )
             return self.document_attention(q, k, v, hidden=hidden, documents=documents)
         if cache is not None:

@@ -42,7 +42,8 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str,
     zero = ds.setdefault("zero_optimization", {})
     if "stage" in zero and zero["stage"] != cfg.zero_stage:
         raise ConfigError(
-            f"train.zero_stage: {cfg.zero_stage} disagrees with stage {zero['stage']} in {path}; set the stage in one place (train.zero_stage)"
+            f"train.zero_stage: {cfg.zero_stage} disagrees with stage {zero['stage']} in {path}; set the stage in one "
+            "place (train.zero_stage)"
         )
     zero["stage"] = cfg.zero_stage
     micro = cfg.micro_batch_size or cfg.batch_size // world_size
@@ -128,12 +129,14 @@ class DeepSpeedEngine(DataParallelEngine):
     def read_state(self, directory: Path) -> None:
         if not (directory / DS_TAG).is_dir():
             raise ConfigError(
-                f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the engine that wrote it"
+                f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the "
+                "engine that wrote it"
             )
         saved = sorted(p.name for p in (directory / DS_TAG).glob("*model_states.pt"))
         if self.cfg.zero_stage == 3 and len(saved) != self.world_size:
             raise ConfigError(
-                f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with the same world size"
+                f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with "
+                "the same world size"
             )
         path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
         if path is None:

@@ -36,7 +36,8 @@ def init_process_group(cfg: TrainConfig) -> torch.device:
     """Join the launcher's process group (idempotent) and return this rank's device."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError(
-            f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); RANK/WORLD_SIZE are not set"
+            f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); "
+            "RANK/WORLD_SIZE are not set"
         )
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:
@@ -105,7 +106,8 @@ class DataParallelEngine(Engine):
 
         if not (directory / DCP_DIR).is_dir():
             raise ConfigError(
-                f"train.engine: checkpoint {directory} was not written by a DCP engine (ddp / fsdp2); resume it with the engine that wrote it"
+                f"train.engine: checkpoint {directory} was not written by a DCP engine (ddp / fsdp2); resume it with "
+                "the engine that wrote it"
             )
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}

@@ -166,7 +166,8 @@ def test_too_small_splits_name_the_fields(tmp_path):
     cfg = DataConfig(source="local", path=str(folder), seq_len=3000, vocab_size=300, cache_dir=str(tmp_path / "c"))
     with pytest.raises(
         ConfigError,
-        match=r"^data\.val_fraction: the validation split has \d+ tokens, fewer than one sequence of data\.seq_len \+ 1 = 3001; ",
+        match=r"^data\.val_fraction: the validation split has \d+ tokens, "
+        r"fewer than one sequence of data\.seq_len \+ 1 = 3001; ",
     ):
         build_corpus(cfg, vocab_size=300, log=lambda _: None)
     cfg.seq_len = 20_000

@@ -77,7 +77,8 @@ def test_bad_paths_name_data_path(tmp_path):
 def test_other_config_checks():
     with pytest.raises(
         ConfigError,
-        match=r"^data\.source: 'hub' is not one of embedded, local, prepared, slimpajama, fineweb-edu, openwebtext, pg19, mixture$",
+        match=r"^data\.source: 'hub' is not one of embedded, local, prepared, "
+        r"slimpajama, fineweb-edu, openwebtext, pg19, mixture$",
     ):
         DataConfig(source="hub").validate()
     with pytest.raises(ConfigError, match=r"^data\.seq_len: must be >= 1, got 0$"):

@@ -307,7 +307,8 @@ def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path, f
     loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=2, rank=0, world_size=2, num_workers=0)
     with pytest.raises(
         ConfigError,
-        match=r"^data: the checkpoint's loader state is for loader workers \[0\] of 4, this rank runs \[0\] of 2 .*resume_from",
+        match=r"^data: the checkpoint's loader state is for loader workers \[0\] of 4, "
+        r"this rank runs \[0\] of 2 .*resume_from",
     ) as e:
         loader.load_state_dict({"x": state})
     assert "\n" not in str(e.value)

@@ -55,7 +55,8 @@ def _mixture(run_dir: Path, cache_dir: Path, sources, **extra) -> list[str]:
     )
     args += [
         "--set",
-        f'data.mixture=[{{source = "local", path = "{a}", weight = 3.0}}, {{source = "local", path = "{b}", weight = 1.0}}]',
+        f'data.mixture=[{{source = "local", path = "{a}", weight = 3.0}}, '
+        f'{{source = "local", path = "{b}", weight = 1.0}}]',
     ]
     return args
 

@@ -201,9 +201,11 @@ def test_needle_lands_at_the_requested_depth(encode, haystack, request):
 
 
 def test_needle_samples_are_deterministic_by_seed():
-    make = lambda seed: S.needle_samples(
-        word_encode, kind="multiquery", lengths=[512, 1024], depths=[0.0, 1.0], samples=2, seed=seed
-    )
+    def make(seed):
+        return S.needle_samples(
+            word_encode, kind="multiquery", lengths=[512, 1024], depths=[0.0, 1.0], samples=2, seed=seed
+        )
+
     first = make(0)
     assert first == make(0)
     assert [s.prompt for s in first] != [s.prompt for s in make(1)]
@@ -302,7 +304,10 @@ def test_run_needle_on_essays_with_gpt2(shared_data, essays):
         "progress": False,
     }
     assert S.run_needle(FakeGenerator(needle_reply, encode=tok.encode, max_context=2048), **args)["score"] == 100.0
-    half = lambda p: needle_reply(p).split(",")[0]  # the first of four values
+
+    def half(p):
+        return needle_reply(p).split(",")[0]  # the first of four values
+
     assert S.run_needle(FakeGenerator(half, encode=tok.encode, max_context=2048), **args)["score"] == 25.0
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from model.config import PRESETS, ModelConfig, count_parameters, flops_per_token, preset_dict
+from model.config import PRESETS, ModelConfig, preset_dict
+from model.counts import count_parameters, flops_per_token
 from model.transformer import Transformer
 from tests.conftest import REPO
 

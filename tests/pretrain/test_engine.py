@@ -51,3 +51,49 @@ def test_precision_policy():
     out = e.micro_step(batch[:, :-1], batch[:, 1:], loss_scale=1 / 32, aux_scale=1.0, sync=True)
     assert torch.isfinite(out.loss_sum) and out.n_tokens == 32
     assert all(p.dtype == torch.float32 for p in e.raw_model.parameters()), "autocast keeps fp32 master weights"
+
+
+@pytest.fixture
+def toy_engine():
+    """A throwaway engine registered for one test, and removed after it."""
+    from pretrain.engines import ENGINES, register_engine
+    from pretrain.engines.single import SingleEngine
+    from run.engines import ENGINE_SPECS, EngineSpec
+
+    class ToyEngine(SingleEngine):
+        name = "toy"
+
+    register_engine(ToyEngine, EngineSpec("toy", "a test's engine", changes_trainable=False))
+    yield ToyEngine
+    ENGINES.pop("toy")
+    ENGINE_SPECS.pop("toy")
+
+
+def test_a_registered_engine_joins_validation_errors_and_building(toy_engine):
+    from core.errors import ConfigError
+
+    TrainConfig(engine="toy").validate()  # accepted by name
+    with pytest.raises(ConfigError, match=r"train.engine: 'nope' is not one of .*\btoy\b"):
+        TrainConfig(engine="nope").validate()
+    # its declared capability is checked once, at validation, naming the engines that have it
+    with pytest.raises(ConfigError, match=r"train.unfreeze_at: not supported with train.engine=toy.*: single"):
+        TrainConfig(engine="toy", unfreeze_at=5, max_steps=10).validate()
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=64, max_seq_len=32, d_model=32, n_layers=2, n_heads=4))
+    assert isinstance(build_engine(model, TrainConfig(engine="toy"), torch.device("cpu")), toy_engine)
+
+
+def test_every_engine_has_a_spec_and_every_spec_an_engine():
+    from pretrain.engines import ENGINES
+    from run.engines import ENGINE_SPECS
+
+    assert set(ENGINES) == set(ENGINE_SPECS)
+    assert all(cls.name == name for name, cls in ENGINES.items())
+
+
+def test_config_validation_knows_the_harness_tasks_without_importing_lm_eval():
+    pytest.importorskip("lm_eval")
+    from eval.harness import SOURCES
+    from run.config import LM_EVAL_TASKS
+
+    assert set(LM_EVAL_TASKS) == set(SOURCES)
