@@ -19,8 +19,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from core.errors import ConfigError
 from data.tokenizer import HFTokenizer, SentencePieceTokenizer, Tokenizer
-from model.errors import ConfigError
 
 SAMPLE = (
     "ROMEO. But soft, what light through yonder window breaks?\n\n"

@@ -1,4 +1,10 @@
-"""Tokenizers: SentencePiece (train and load) and Hugging Face ``tokenizer.json`` (load).
+"""Tokenizers: SentencePiece (train and load), Hugging Face ``tokenizer.json`` and tokenizer folders (load).
+
+A Hugging Face tokenizer folder (what ``AutoTokenizer.from_pretrained`` reads) loads as its
+``tokenizer.json`` (else ``tokenizer.model``, else a ``.tiktoken`` file; a folder holding only the slow
+files, ``vocab.json`` + ``merges.txt`` say, is converted in memory by ``transformers``). A ``tokenizer.json``
+beside a ``tokenizer_config.json`` / ``special_tokens_map.json`` takes its end- and beginning-of-sequence
+tokens from there, and ``save`` copies those files along, so a checkpoint keeps the folder's settings.
 
 ``python -m data.tokenizer train --input PATH [PATH ...] --vocab-size N [--model-type bpe|unigram] --out FILE.model``
 ``python -m data.tokenizer encode --tokenizer FILE --text "..."``
@@ -37,6 +43,8 @@ class Tokenizer:
     fingerprint: str  # sha256 of the tokenizer file's bytes, taken when it was loaded
     path: Path
     file_name: str  # the name save() gives the file
+    companions: tuple[Path, ...] = ()  # files of its Hugging Face folder that save() copies along
+    _data: bytes | None = None  # the file's bytes when it exists only in memory (a converted folder)
 
     def encode(self, text: str) -> list[int]:
         raise NotImplementedError
@@ -52,11 +60,24 @@ class Tokenizer:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         dst = directory / self.file_name
-        if not (dst.exists() and dst.resolve() == self.path.resolve()):
-            tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
-            shutil.copyfile(self.path, tmp)
-            os.replace(tmp, dst)
+        if self._data is not None:
+            _atomic_copy(self._data, dst)
+        else:
+            _atomic_copy(self.path, dst)
+        for companion in self.companions:
+            _atomic_copy(companion, directory / companion.name)
         return dst
+
+
+def _atomic_copy(src: Path | bytes, dst: Path) -> None:
+    if isinstance(src, bytes):
+        tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+        tmp.write_bytes(src)
+        os.replace(tmp, dst)
+    elif not (dst.exists() and dst.resolve() == Path(src).resolve()):
+        tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -90,13 +111,17 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HFTokenizer(Tokenizer):
+    """``tokenizer.json``; ``special`` (``{"eos_token": ..., "bos_token": ...}`` from its folder's
+    tokenizer_config.json) names the end/beginning-of-sequence tokens, else the usual names are looked up."""
+
     file_name = "tokenizer.json"
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, *, data: bytes | None = None, special: dict[str, str] | None = None):
         from tokenizers import Tokenizer as HFTok
 
         self.path = Path(path)
-        data = self.path.read_bytes()
+        self._data = data
+        data = self.path.read_bytes() if data is None else data
         try:
             self.tok = HFTok.from_str(data.decode("utf-8"))
         except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for any parse error
@@ -105,13 +130,14 @@ class HFTokenizer(Tokenizer):
             ) from None
         self.fingerprint = hashlib.sha256(data).hexdigest()
         self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
-        eos = [i for i in map(self.tok.token_to_id, EOS_CANDIDATES) if i is not None]
+        special = special or {}
+        eos_names = (special["eos_token"], *EOS_CANDIDATES) if special.get("eos_token") else EOS_CANDIDATES
+        eos = [i for i in map(self.tok.token_to_id, eos_names) if i is not None]
         if not eos:
-            raise ConfigError(
-                f"data.tokenizer: {path} has none of the end-of-sequence tokens {', '.join(EOS_CANDIDATES)}"
-            )
+            raise ConfigError(f"data.tokenizer: {path} has none of the end-of-sequence tokens {', '.join(eos_names)}")
         self.eos_id = eos[0]
-        bos = [i for i in map(self.tok.token_to_id, BOS_CANDIDATES) if i is not None]
+        bos_names = (special["bos_token"], *BOS_CANDIDATES) if special.get("bos_token") else BOS_CANDIDATES
+        bos = [i for i in map(self.tok.token_to_id, bos_names) if i is not None]
         self.bos_id = bos[0] if bos else None
 
     def encode(self, text: str) -> list[int]:
@@ -173,17 +199,93 @@ class TiktokenTokenizer(Tokenizer):
 
 
 TOKENIZER_FILES = "a SentencePiece .model, a tokenizer.json or a tiktoken ranks file (.tiktoken)"
+# a Hugging Face tokenizer folder's settings, copied along with its tokenizer file
+HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+
+
+def _token_name(value) -> str | None:
+    # tokenizer_config.json writes a special token as a string or as an AddedToken dict
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def hf_special_tokens(folder: Path) -> dict[str, str]:
+    """``eos_token`` / ``bos_token`` a Hugging Face folder declares (tokenizer_config.json over
+    special_tokens_map.json); {} when it declares none."""
+    import json
+
+    found: dict[str, str] = {}
+    for name in ("special_tokens_map.json", "tokenizer_config.json"):
+        file = folder / name
+        if not file.is_file():
+            continue
+        try:
+            data = json.loads(file.read_text(encoding="utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"data.tokenizer: {file} is not valid JSON ({exc})") from None
+        for key in ("eos_token", "bos_token"):
+            token = _token_name(data.get(key)) if isinstance(data, dict) else None
+            if token:
+                found[key] = token
+    return found
+
+
+def _companions(folder: Path) -> tuple[Path, ...]:
+    return tuple(folder / name for name in HF_COMPANIONS if (folder / name).is_file())
+
+
+def load_tokenizer_folder(path: Path) -> Tokenizer:
+    """A Hugging Face tokenizer folder: tokenizer.json, else tokenizer.model, else one .tiktoken file,
+    else the slow-tokenizer files converted by ``transformers`` (in memory; ``save`` writes tokenizer.json)."""
+    if (path / "tokenizer.json").is_file():
+        return load_tokenizer(path / "tokenizer.json")
+    if (path / "tokenizer.model").is_file():
+        tok = SentencePieceTokenizer(path / "tokenizer.model")
+        tok.companions = _companions(path)
+        return tok
+    ranks = sorted(path.glob("*.tiktoken"))
+    if len(ranks) == 1:
+        return TiktokenTokenizer(ranks[0])
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise ConfigError(
+            f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file (converting other "
+            "Hugging Face tokenizer files needs pip install transformers)"
+        ) from None
+    try:
+        fast = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        data = fast.backend_tokenizer.to_str().encode("utf-8")
+    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+        reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(
+            f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file and transformers "
+            f"cannot read it ({reason})"
+        ) from None
+    tok = HFTokenizer(path, data=data, special=hf_special_tokens(path))
+    tok.companions = _companions(path)
+    return tok
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """``.model`` -> SentencePiece, ``.json`` -> Hugging Face ``tokenizers``, ``.tiktoken`` -> tiktoken."""
+    """``.model`` -> SentencePiece, ``.json`` -> Hugging Face ``tokenizers``, ``.tiktoken`` -> tiktoken,
+    a folder -> what it holds (``load_tokenizer_folder``)."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        return load_tokenizer_folder(path)
     if not path.is_file():
-        raise ConfigError(f"data.tokenizer: no such file {str(path)!r} (expected 'train', {TOKENIZER_FILES})")
+        raise ConfigError(
+            f"data.tokenizer: no such file {str(path)!r} (expected 'train', {TOKENIZER_FILES}, or a Hugging Face "
+            "tokenizer folder)"
+        )
     if path.suffix == ".model":
         return SentencePieceTokenizer(path)
     if path.suffix == ".json":
-        return HFTokenizer(path)
+        tok = HFTokenizer(path, special=hf_special_tokens(path.parent) if path.name == "tokenizer.json" else None)
+        if path.name == "tokenizer.json":
+            tok.companions = _companions(path.parent)
+        return tok
     if path.suffix == ".tiktoken":
         return TiktokenTokenizer(path)
     raise ConfigError(f"data.tokenizer: {str(path)!r} is not {TOKENIZER_FILES}")

@@ -1,22 +1,33 @@
-"""``python -m pretrain.export --checkpoint DIR | --run DIR --out FILE.safetensors``
+"""``python -m pretrain.export --checkpoint DIR | --run DIR --out OUT [--format safetensors|hf] [--dtype fp32|bf16]``
 
-Consolidates a checkpoint of any engine into one safetensors file: the full fp32 weights, with
-the run's resolved config (TOML), step and tokens in the file's metadata. The weights come from
-the checkpoint's ``model.safetensors`` when present (every engine writes one), else from the
-DCP shards (``dcp/``, ddp / fsdp2) or DeepSpeed's ZeRO files (``ds/``), read offline without a
-process group. The output is written under a temporary name and renamed.
+``--format safetensors`` (default): consolidates a checkpoint of any engine into one safetensors file:
+the full weights (fp32 unless ``--dtype``), with the run's resolved config (TOML), step and tokens in the
+file's metadata. The weights come from the checkpoint's ``model.safetensors`` when present (every engine
+writes one), else from the DCP shards (``dcp/``, ddp / fsdp2) or DeepSpeed's ZeRO files (``ds/``), read
+offline without a process group. The output is written under a temporary name and renamed.
+
+``--format hf``: a Hugging Face model directory that ``AutoModelForCausalLM`` and ``AutoTokenizer`` load
+offline: ``config.json`` (GPT-2, LLaMA, Qwen2 or Qwen3, whichever computes what the model does; see
+model/hf.py), ``model.safetensors`` (sharded past ``--max-shard-size``), ``generation_config.json`` and the
+tokenizer (data/hf_tokenizer.py). A model whose attention variant is not ``full`` is refused (transformers
+runs full attention only) unless ``--allow-variant``: then config.json names the variant and its
+``model_type`` is ``focused_<type>``, which ``AutoModelForCausalLM`` refuses rather than running the
+model with the wrong attention; ``python -m pretrain.hf_import`` reads it back.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
+from core.errors import ConfigError
 from pretrain import checkpoint as ckpt
 
 
@@ -42,11 +53,13 @@ def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
     raise FileNotFoundError(f"{path}: no {ckpt.MODEL_FILE}, dcp/ or ds/ (not a checkpoint directory)")
 
 
-def export(path: Path, out: Path) -> Path:
+def export(path: Path, out: Path, *, dtype: str = "fp32") -> Path:
     from safetensors.torch import save_file
 
+    from model.hf import DTYPES, cast
+
     state = ckpt.load_trainer_state(path)
-    weights = ckpt.untie(consolidated_weights(path))
+    weights = cast(ckpt.untie(consolidated_weights(path)), DTYPES[dtype])
     metadata = {
         "config": state["config"],
         "step": str(state["step"]),
@@ -60,12 +73,97 @@ def export(path: Path, out: Path) -> Path:
     return out
 
 
+def _checkpoint_tokenizer(path: Path):
+    from data.tokenizer import load_tokenizer
+
+    for name in ("tokenizer.model", "tokenizer.json", *sorted(p.name for p in path.glob("*.tiktoken"))):
+        if (path / name).is_file():
+            return load_tokenizer(path / name)
+    return None
+
+
+def export_hf(
+    path: Path,
+    out: Path,
+    *,
+    dtype: str = "fp32",
+    max_shard_size: str = "5GB",
+    allow_variant: bool = False,
+    log=print,
+) -> Path:
+    """Checkpoint directory ``path`` -> Hugging Face model directory ``out`` (written beside it under a
+    temporary name, then renamed; ``out`` must not exist or be empty)."""
+    import tomllib
+
+    from data.hf_tokenizer import check_hf_tokenizer, write_hf_tokenizer
+    from model import hf
+    from run.config import run_config_from_dict
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(f"--out: {out} exists and is not an empty directory")
+    state = ckpt.load_trainer_state(path)
+    cfg = run_config_from_dict(tomllib.loads(state["config"])).model
+    tok = _checkpoint_tokenizer(path)
+    eos, bos = (tok.eos_id, tok.bos_id) if tok is not None else (None, None)
+    config = hf.hf_config_from_model(
+        cfg, eos_id=eos, bos_id=bos, dtype=hf.DTYPE_NAMES[hf.DTYPES[dtype]], allow_variant=allow_variant
+    )
+    weights = hf.cast(hf.to_hf_state_dict(consolidated_weights(path), cfg), hf.DTYPES[dtype])
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        files = hf.save_hf_weights(weights, tmp, max_shard_size=max_shard_size)
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "generation_config.json").write_text(json.dumps(hf.generation_config(eos, bos), indent=2) + "\n")
+        if tok is None:
+            log(f"warning: {path} holds no tokenizer; {out} has none")
+        else:
+            try:
+                files += write_hf_tokenizer(tok, tmp, model_max_length=cfg.max_seq_len)
+            except ConfigError as exc:
+                log(f"warning: {exc}; {out} has no tokenizer")
+            else:
+                problem = check_hf_tokenizer(tok, tmp)
+                if problem:
+                    hint = (
+                        "; transformers 5 gives model_type qwen2 its own Qwen2Tokenizer pipeline, while "
+                        "PreTrainedTokenizerFast.from_pretrained reads tokenizer.json as written"
+                        if config["model_type"] == "qwen2"
+                        else ""
+                    )
+                    log(f"warning: tokenizer: AutoTokenizer encodes differently from {tok.file_name} ({problem}){hint}")
+        if out.exists():
+            out.rmdir()  # empty (checked above)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    arch = config["architectures"][0]
+    log(f"exported {path} -> {out} ({arch}, {config['dtype']}; {', '.join(files)})")
+    if cfg.attention.kind != "full":
+        log(
+            f"note: transformers cannot run the {cfg.attention.kind!r} attention of this model; config.json names it "
+            f"under {hf.VARIANT_KEY!r} and model_type {config['model_type']!r} makes AutoModelForCausalLM refuse it"
+        )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--checkpoint", help="checkpoint directory (checkpoints/step_NNNNNNNN)")
     src.add_argument("--run", help="run directory (its latest complete checkpoint)")
-    p.add_argument("--out", required=True, help="output .safetensors file")
+    p.add_argument("--out", required=True, help="output .safetensors file (--format safetensors) or directory (hf)")
+    p.add_argument("--format", default="safetensors", choices=("safetensors", "hf"), help="default: safetensors")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="weights' dtype (default: fp32)")
+    p.add_argument("--max-shard-size", default="5GB", help="hf: shard model.safetensors past this size (e.g. 2GB)")
+    p.add_argument(
+        "--allow-variant",
+        action="store_true",
+        help="hf: export a model whose attention variant transformers cannot run (config.json names it)",
+    )
     args = p.parse_args(argv)
     if args.run:
         path = ckpt.latest_checkpoint(Path(args.run))
@@ -80,7 +178,21 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
-    out = export(path, Path(args.out))
+    if args.format == "hf":
+        try:
+            export_hf(
+                path,
+                Path(args.out),
+                dtype=args.dtype,
+                max_shard_size=args.max_shard_size,
+                allow_variant=args.allow_variant,
+                log=lambda line: print(line, file=sys.stderr if line.startswith("warning") else sys.stdout),
+            )
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return 0
+    out = export(path, Path(args.out), dtype=args.dtype)
     print(f"exported {path} -> {out}")
     return 0
 

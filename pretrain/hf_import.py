@@ -1,0 +1,200 @@
+"""``python -m pretrain.hf_import --hf PATH --out RUN_DIR [--config BASE.toml] [--set key=value ...] [--no-start]``
+
+Starts a run from a local Hugging Face ``transformers`` checkpoint (``GPT2LMHeadModel``, ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``; safetensors, or ``pytorch_model.bin``
+read with ``weights_only=True``) and its tokenizer (the folder's ``tokenizer.json`` or ``tokenizer.model``,
+or ``--tokenizer``). Nothing is downloaded. What it writes:
+
+- ``RUN_DIR/hf_import/``: the weights mapped onto a matching model config (model/hf.py) as a checkpoint
+  directory (``model.safetensors``, ``trainer.pt`` at step 0, the tokenizer files, ``hf_config.json``: the
+  source's config.json);
+- ``RUN_DIR/config.toml``: ``--config`` (default: the built-in defaults) with the imported ``model``
+  table, ``data.tokenizer`` and ``train.init_from`` set to ``RUN_DIR/hf_import``, ``run.dir = RUN_DIR``,
+  ``data.seq_len`` capped at the model's length, then ``--set`` overrides;
+- ``RUN_DIR/checkpoints/step_00000000/``: the run started at step 0 by the trainer itself (it builds the
+  data, loads ``train.init_from``, saves), so ``python -m pretrain.train --config RUN_DIR/config.toml``
+  continues it and ``python -m eval.run --run RUN_DIR`` evaluates it. ``--no-start`` skips this (large
+  models, or when the data is not at hand yet); ``pretrain.train`` then starts from ``train.init_from`` and
+  ``eval.run --checkpoint RUN_DIR/hf_import`` evaluates the import.
+
+An unsupported architecture or option stops with one line naming it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from core.errors import ConfigError
+
+IMPORT_DIR = "hf_import"
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _model_dict(model_cfg) -> dict:
+    from run.config import RunConfig
+
+    cfg = RunConfig()
+    cfg.model = model_cfg
+    return cfg.to_dict()["model"]
+
+
+def run_config(
+    model_cfg, run_dir: Path, import_dir: Path, *, base_config: str | None = None, overrides: list[str] = ()
+):
+    """The run's config: ``base_config`` (or the defaults), the imported model, the import as tokenizer and
+    initial weights, then ``overrides``."""
+    from core import configlib
+    from run.config import load_run_config, run_config_from_dict
+
+    data = load_run_config(base_config, validate=False).to_dict()
+    data["model"] = _model_dict(model_cfg)
+    data["run"]["dir"] = str(run_dir)
+    data["data"]["tokenizer"] = str(import_dir)
+    data["data"]["seq_len"] = min(int(data["data"]["seq_len"]), model_cfg.max_seq_len)
+    data["train"]["init_from"] = str(import_dir)
+    for assignment in overrides:
+        configlib.apply_override(data, assignment)
+    cfg = run_config_from_dict(data)
+    cfg.validate()
+    return cfg
+
+
+def import_hf(
+    hf_path: str | Path,
+    run_dir: str | Path,
+    *,
+    base_config: str | None = None,
+    overrides: list[str] = (),
+    tokenizer: str | Path | None = None,
+    start: bool = True,
+    log=_say,
+) -> Path:
+    """Import ``hf_path`` into ``run_dir`` (see the module docstring); returns the checkpoint directory a
+    user evaluates: ``checkpoints/step_00000000`` when started, else ``hf_import``."""
+    from safetensors.torch import save_model
+
+    from data.tokenizer import load_tokenizer
+    from model import hf
+    from model.transformer import build_model
+
+    hf_path, run_dir = Path(hf_path), Path(run_dir)
+    import_dir = run_dir / IMPORT_DIR
+    for taken in (import_dir, run_dir / "checkpoints"):
+        if taken.exists():
+            raise ConfigError(f"--out: {run_dir} already holds {taken.name}/; import into a new directory")
+    source = hf.load_hf_config(hf_path)
+    imported = hf.model_config_from_hf(source)
+    cfg_model = imported.model
+    for note in imported.notes:
+        log(f"note: {note}")
+    try:
+        tok = load_tokenizer(tokenizer if tokenizer is not None else hf_path)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc} (pass --tokenizer if the model's tokenizer lives elsewhere)") from None
+    if tok.vocab_size > cfg_model.vocab_size:
+        raise ConfigError(
+            f"--tokenizer: {tok.vocab_size} tokens do not fit the model's vocab_size={cfg_model.vocab_size}"
+        )
+    state = hf.from_hf_state_dict(hf.cast(hf.load_hf_weights(hf_path), torch.float32), cfg_model, imported.architecture)
+    model = build_model(cfg_model)
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ConfigError(
+            f"hf: the weights do not fit the config ({str(exc).splitlines()[-1].strip()[:200]})"
+        ) from None
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / f".{IMPORT_DIR}.tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        save_model(model, str(tmp / "model.safetensors"))
+        tok.save(tmp)
+        shutil.copyfile(hf_path / "config.json", tmp / "hf_config.json")
+        os.replace(tmp, import_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    try:
+        cfg = run_config(cfg_model, run_dir, import_dir, base_config=base_config, overrides=overrides)
+        fingerprint = load_tokenizer(import_dir).fingerprint  # what the run will load as data.tokenizer
+        trainer_state = {
+            "step": 0,
+            "tokens": 0,
+            "config": cfg.to_toml(),
+            "tokenizer_fingerprint": fingerprint,
+            "data_fingerprint": "",
+            "code_version": "hf_import",
+            "source": str(hf_path.resolve()),
+        }
+        torch.save(trainer_state, import_dir / "trainer.pt")
+        meta = {"step": 0, "time": time.time(), "source": str(hf_path.resolve()), "architecture": imported.architecture}
+        (import_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        (run_dir / "config.toml").write_text(cfg.to_toml())
+    except BaseException:
+        shutil.rmtree(import_dir, ignore_errors=True)
+        raise
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"imported {hf_path} ({imported.architecture}, {n_params:,} parameters) -> {import_dir}")
+    del model, state
+    if not start:
+        log(f"run config: {run_dir / 'config.toml'} (python -m pretrain.train --config {run_dir / 'config.toml'})")
+        return import_dir
+    from pretrain.loop import Trainer
+
+    trainer = Trainer(cfg)
+    trainer.setup()
+    path = trainer.save()
+    trainer.loggers.close()
+    trainer.engine.close()
+    log(f"run started at step 0: {path}; continue with python -m pretrain.train --config {run_dir / 'config.toml'}")
+    return path
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2
+        self.exit(2, f"error: {self.prog}: {message}\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _Parser(
+        prog="python -m pretrain.hf_import",
+        description=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--hf", required=True, help="local Hugging Face model directory (config.json + weights)")
+    p.add_argument("--out", required=True, help="run directory to create")
+    p.add_argument("--config", help="base TOML run config (data, train, ... settings); the model comes from --hf")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override")
+    p.add_argument("--tokenizer", help="tokenizer file or folder, if not in the --hf directory")
+    p.add_argument("--no-start", action="store_true", help="write the import and config.toml only (no step 0)")
+    args = p.parse_args(argv)
+    try:
+        import_hf(
+            args.hf,
+            args.out,
+            base_config=args.config,
+            overrides=args.overrides,
+            tokenizer=args.tokenizer,
+            start=not args.no_start,
+        )
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
