@@ -11,11 +11,15 @@ future) or by softmax (kept for the collapse comparison).
   Reference: dense gate, any device. Fast path (CUDA): FlexAttention ``score_mod`` computing the
   gate from the captured per-token assignments.
 - ``hard`` mode (inference): each token belongs to its top-k groups; i attends j iff j <= i and
-  (i - j < w or their memberships intersect). Reference: dense mask. Fast path (any device): the
-  exact disjoint decomposition of ``group_sparse.hard_attention``.
+  (i - j < w or their memberships intersect). Reference: dense mask. Fast paths (``focus_hard.py``):
+  CPU, the sorted-group decomposition on the fused CPU flash kernel (values and gradients); CUDA, two
+  FlexAttention calls over group-sorted tokens and the cross-group band; decode, the window plus the
+  far members of the token's groups from per-group index lists in the KV cache. Elsewhere the batched
+  dense decomposition of ``group_sparse.hard_attention``.
 
 With prefix Sinkhorn (or softmax) a token's assignment never changes once computed, so the KV cache
-keeps each token's assignment and membership and generation equals the full forward.
+keeps each token's assignment and membership (and, in hard mode, each group's member positions) and
+generation equals the full forward.
 """
 
 from __future__ import annotations
@@ -29,7 +33,14 @@ from torch import Tensor, nn
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
-from model.attention.flex import flex_attention_fn, flex_available
+from model.attention.flex import causal_block_mask, flex_attention_fn, flex_available
+from model.attention.focus_hard import (
+    GroupLists,
+    cpu_hard_attention,
+    cpu_kernel_dtypes,
+    decode_hard_attention,
+    flex_hard_attention,
+)
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
 from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
 from model.errors import ConfigError, check_choice, check_min, check_range
@@ -81,7 +92,8 @@ class FocusConfig:
         check_min(p + "entropy_weight", self.entropy_weight, 0.0)
         if self.lambda_schedule != "constant" and self.lambda_learnable:
             raise ConfigError(
-                f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) cannot also be learned; set lambda_learnable=false"
+                f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) "
+                "cannot also be learned; set lambda_learnable=false"
             )
 
 
@@ -213,47 +225,57 @@ class FocusAttention(Attention):
         g_q, g_k = self.assignments(hidden, cache)
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
-            out = hard_attention(
-                q,
-                k,
-                v,
-                bits_q=bits_q,
-                bits_k=bits_k,
-                q_pos=q_pos,
-                window=self.cfg.window,
-                scale=self._scale(),
-                n_groups=self.cfg.n_groups,
-            )
+            out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
         else:
             out = self.soft_flex(q, k, v, g_q, g_k, q_pos)
         return self._out(out, g_q, g_k, q_pos, k_pos, cache)
 
-    def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
-        """Soft-gated attention as one FlexAttention call. The gate's K-term dot product is K scalar
-        loads (a vector reduction does not lower under compile); compiled on CUDA, eager elsewhere."""
-        from torch.nn.attention.flex_attention import create_block_mask
+    def hard_fast(
+        self, q: Tensor, k: Tensor, v: Tensor, bits_q: Tensor, bits_k: Tensor, q_pos: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        """The fastest exact hard-mode path for this call (see the module docstring)."""
+        cfg, scale = self.cfg, self._scale()
+        tq, tk = q.shape[2], k.shape[2]
+        ends_keys = int(q_pos[0]) == tk - tq and int(q_pos[-1]) == tk - 1  # positions are contiguous aranges
+        lists = cache.extra.get("focus_lists") if cache is not None else None
+        if ends_keys and tq == 1 and lists is not None and lists.length == tk:
+            return decode_hard_attention(
+                q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale
+            )
+        common = dict(bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups)
+        if ends_keys and q.is_cuda and flex_available():
+            return flex_hard_attention(q, k, v, **common, top_k=cfg.top_k, compiled=True)
+        if ends_keys and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes():
+            return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
+        return hard_attention(q, k, v, q_pos=q_pos, **common)
 
-        n_groups, window, lam = self.cfg.n_groups, self.cfg.window, self.lam
-        g_q, g_k = g_q.to(q.dtype), g_k.to(q.dtype)
-        q_pos = q_pos.to(q.device)
+    def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
+        """Soft-gated attention as one FlexAttention call. Lambda is folded into the captured per-token vectors
+        (additive: lam (g_q . g_k - 0.5) = [lam g_q, -lam / 2] . [g_k, 1]; multiplicative: (lam g_q) . g_k), so no
+        0-dim tensor is captured and gradients reach lambda through them. The dot product is K scalar loads (a
+        vector reduction does not lower under compile). The causal block mask is cached per shape and shared by
+        layers. Compiled on CUDA, eager elsewhere."""
+        window = self.cfg.window
         additive = self.cfg.gate == "additive"
+        lam = self.lam.to(q.dtype)
+        a_q, a_k = g_q.to(q.dtype) * lam, g_k.to(q.dtype)
+        if additive:
+            a_q = torch.cat([a_q, (-0.5 * lam).expand(*a_q.shape[:2], 1)], dim=-1)
+            a_k = torch.cat([a_k, a_k.new_ones(*a_k.shape[:2], 1)], dim=-1)
+        n_terms = a_q.shape[-1]
+        q_pos = q_pos.to(q.device)
 
         def gated(score, b, h, qi, kv):
-            dot = g_q[b, qi, 0] * g_k[b, kv, 0]
-            for c in range(1, n_groups):
-                dot = dot + g_q[b, qi, c] * g_k[b, kv, c]
+            x = a_q[b, qi, 0] * a_k[b, kv, 0]
+            for c in range(1, n_terms):
+                x = x + a_q[b, qi, c] * a_k[b, kv, c]
             if additive:
-                x = lam.to(score.dtype) * (dot - 0.5)
-                gate = torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid, stable
-                gated_score = score + gate
+                gated_score = score + torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
             else:
-                gated_score = score * torch.sigmoid(lam.to(score.dtype) * dot)
+                gated_score = score * torch.sigmoid(x)
             return torch.where(q_pos[qi] - kv >= window, gated_score, score)
 
-        def causal(b, h, qi, kv):
-            return kv <= q_pos[qi]
-
-        block_mask = create_block_mask(causal, None, None, q.shape[2], k.shape[2], device=q.device)
+        block_mask = causal_block_mask(q.shape[2], k.shape[2], q.device)
         return flex_attention_fn(q.is_cuda)(
             q, k, v, score_mod=gated, block_mask=block_mask, scale=self._scale(), enable_gqa=k.shape[1] != q.shape[1]
         )
@@ -262,6 +284,11 @@ class FocusAttention(Attention):
         bits_q = membership_bits(g_q, self.cfg.top_k)
         if self.cfg.sinkhorn_scope == "sequence" and self.cfg.assignment == "sinkhorn":
             return bits_q, membership_bits(g_k, self.cfg.top_k)  # earlier keys were re-assigned
+        if cache is not None and self.cfg.mode == "hard":  # per-group member positions, for decoding
+            lists = cache.extra.get("focus_lists")
+            if lists is None:
+                lists = cache.extra["focus_lists"] = GroupLists(bits_q.shape[0], self.cfg.n_groups, bits_q.device)
+            lists.append(bits_q)
         return bits_q, self._cached(cache, "focus_bits", bits_q)
 
     # ---- auxiliary loss and statistics ------------------------------------------------

@@ -384,7 +384,9 @@ def decode_hard_attention(
             far.append(idx)
         keys = torch.cat([*far, near])
         kb, vb = k[b].index_select(1, keys)[None], v[b].index_select(1, keys)[None]
-        outs.append(F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1]))
+        outs.append(
+            F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1])
+        )
     return torch.cat(outs, 0)
 
 
@@ -455,7 +457,9 @@ def group_block_mask_tensors(
     n_partial = (n_blocks - n_full).clamp(min=0)
     r = ar[None, None, :]
     partial_idx = torch.where(
-        r < first_run[..., None], lo_blk[..., None] + r, f_lo[..., None] + n_full[..., None] + (r - first_run[..., None])
+        r < first_run[..., None],
+        lo_blk[..., None] + r,
+        f_lo[..., None] + n_full[..., None] + (r - first_run[..., None]),
     )
     partial_idx = torch.where(r < n_partial[..., None], partial_idx, torch.zeros_like(partial_idx)).clamp(max=nk - 1)
     full_idx = torch.where(r < n_full[..., None], f_lo[..., None] + r, torch.zeros_like(partial_idx)).clamp(max=nk - 1)

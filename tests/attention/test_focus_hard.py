@@ -1,0 +1,359 @@
+"""Focus hard mode's fast paths against the dense masked reference (model/attention/focus_hard.py).
+
+- CPU: the sorted-group decomposition on the fused CPU flash kernel, values and gradients, every top_k, balanced /
+  skewed / collapsed groups, batch > 1, lengths that are multiples of nothing (37, 300, 700), prefill, chunked prefill
+  and decode onto a cache.
+- Decode from the per-group index lists of the KV cache, and the module end to end (prefill, then token by token).
+- GPU form (two FlexAttention calls) through FlexAttention's eager math implementation on CPU, values and gradients,
+  and its block masks checked against the token-level mask (the eager path ignores block sparsity, so coverage is
+  tested directly).
+- Focus soft's FlexAttention path with lambda folded into the captured vectors: values and gradients (lambda
+  included); the causal block mask is built once per shape and shared.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.attention import KVCache, LayerSpec, build_attention
+from model.attention import flex as flex_mod
+from model.attention import reference as ref
+from model.attention.focus import FocusConfig
+from model.attention.focus_hard import (
+    FLEX_BLOCK,
+    GroupLists,
+    _group_layout,
+    band_block_mask_tensors,
+    cpu_hard_attention,
+    decode_hard_attention,
+    flex_hard_attention,
+    group_block_mask_tensors,
+)
+from model.attention.group_sparse import hard_mask, membership_bits
+from tests.attention.test_suite import random_inputs
+
+SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=1024, layer_idx=0, n_layers=1)
+SCALE = 1 / math.sqrt(8)
+
+
+def memberships(kind: str, b: int, t: int, n_groups: int, top_k: int, seed: int) -> torch.Tensor:
+    """[B, T] bitmasks: balanced (round-robin groups, shuffled), skewed (group 0 largest) or collapsed (~all in 0)."""
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.rand(b, t, n_groups, generator=g, dtype=torch.float64)
+    if kind == "balanced":
+        base = torch.arange(t) % n_groups
+        groups = torch.stack([base[torch.randperm(t, generator=g)] for _ in range(b)])
+        scores = F.one_hot(groups, n_groups).double() * 10 + noise
+    elif kind == "skewed":
+        scores = torch.linspace(3.0, -3.0, n_groups, dtype=torch.float64) + 2 * noise
+    else:  # collapsed: group 0 holds (almost) every token's first choice
+        scores = noise
+        scores[..., 0] += 5.0
+    return membership_bits(scores, top_k)
+
+
+def dense(q, k, v, bits_q, bits_k, window, q_pos=None):
+    """The dense masked reference (rows of queries at q_pos over keys 0..Tk-1)."""
+    tk = k.shape[2]
+    k_pos = torch.arange(tk)
+    q_pos = torch.arange(tk - q.shape[2], tk) if q_pos is None else q_pos
+    mask = hard_mask(bits_q, bits_k, q_pos, k_pos, window)
+    return ref.weighted_values(ref.masked_softmax(ref.scores(q, k, SCALE), mask[:, None]), v, q.dtype)
+
+
+def dense_fn(bits, window):
+    return lambda q, k, v: dense(q, k, v, bits, bits, window)
+
+
+def cpu_fn(bits, window, n_groups, top_k):
+    return lambda q, k, v: cpu_hard_attention(
+        q, k, v, bits_q=bits, bits_k=bits, window=window, scale=SCALE, n_groups=n_groups, top_k=top_k
+    )
+
+
+def inputs(b, t, dtype, seed):
+    q, k, v, _ = random_inputs(SPEC, b, t, dtype, seed)
+    return q * 2.0, k, v  # sharper patterns
+
+
+def values_and_grads(fn, q, k, v, seed=0):
+    q, k, v = (x.clone().requires_grad_(True) for x in (q, k, v))
+    out = fn(q, k, v)
+    weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
+    (out * weights).sum().backward()
+    return out.detach(), [x.grad for x in (q, k, v)]
+
+
+def assert_exact32(fast, dense_out, what):
+    err = (fast - dense_out).abs().max().item()
+    cos = F.cosine_similarity(fast.double().flatten(), dense_out.double().flatten(), dim=0).item()
+    assert err <= 1e-5 and f"{cos:.4f}" == "1.0000", f"{what}: max error {err:.3g}, cosine {cos:.6f}"
+
+
+# ---- CPU kernel path ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n_groups", [3, 4])
+@pytest.mark.parametrize("kind", ["balanced", "skewed", "collapsed"])
+def test_cpu_path_equals_dense_reference_float32(n_groups, kind):
+    shapes = [(2, 37, 8), (3, 300, 16)] + ([(2, 700, 128)] if n_groups == 4 else [])
+    for b, t, window in shapes:
+        q, k, v = inputs(b, t, torch.float32, seed=t)
+        for top_k in range(1, n_groups + 1 if t < 700 else 3):
+            bits = memberships(kind, b, t, n_groups, top_k, seed=top_k)
+            ref_out, ref_grads = values_and_grads(dense_fn(bits, window), q, k, v)
+            fast_out, fast_grads = values_and_grads(cpu_fn(bits, window, n_groups, top_k), q, k, v)
+            what = f"K={n_groups} {kind} k={top_k} B={b} T={t} w={window}"
+            assert_exact32(fast_out, ref_out, what)
+            for name, a, r in zip("qkv", fast_grads, ref_grads):
+                scale = r.abs().max().item()
+                err = (a - r).abs().max().item()
+                assert err <= 1e-5 * max(1.0, scale), f"{what}: d{name} max error {err:.3g} (max |grad| {scale:.3g})"
+
+
+@pytest.mark.parametrize("kind", ["balanced", "collapsed"])
+def test_cpu_path_gradients_float64(kind):
+    b, t, window, n_groups = 2, 300, 16, 4
+    q, k, v = inputs(b, t, torch.float64, seed=5)
+    for top_k in range(1, n_groups + 1):
+        bits = memberships(kind, b, t, n_groups, top_k, seed=10 + top_k)
+        ref_out, ref_grads = values_and_grads(dense_fn(bits, window), q, k, v)
+        fast_out, fast_grads = values_and_grads(cpu_fn(bits, window, n_groups, top_k), q, k, v)
+        torch.testing.assert_close(fast_out, ref_out, atol=1e-12, rtol=0)
+        for a, r in zip(fast_grads, ref_grads):
+            torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+def test_cpu_path_chunked_prefill_and_decode(top_k):
+    """Queries are the last Tq of the keys (a cache): decode, short chunks, chunks longer than the window."""
+    b, t, n_groups = 2, 300, 4
+    q, k, v = inputs(b, t, torch.float64, seed=7)
+    for kind in ("skewed", "collapsed"):
+        bits = memberships(kind, b, t, n_groups, top_k, seed=top_k)
+        for window in (1, 16, 128):
+            full = dense(q, k, v, bits, bits, window)
+            for lo, hi in ((299, 300), (120, 121), (250, 300), (100, 300), (3, 170)):
+                part = cpu_hard_attention(
+                    q[:, :, lo:hi],
+                    k[:, :, :hi],
+                    v[:, :, :hi],
+                    bits_q=bits[:, lo:hi],
+                    bits_k=bits[:, :hi],
+                    window=window,
+                    scale=SCALE,
+                    n_groups=n_groups,
+                    top_k=top_k,
+                )
+                torch.testing.assert_close(part, full[:, :, lo:hi], atol=1e-12, rtol=0, msg=f"{kind} w={window} {lo}")
+
+
+# ---- decode from per-group index lists ---------------------------------------------------------------------------
+@pytest.mark.parametrize("top_k", [1, 2, 3])
+@pytest.mark.parametrize("kind", ["balanced", "collapsed"])
+def test_decode_from_group_lists_equals_dense(top_k, kind):
+    b, t, n_groups = 2, 200, 4
+    q, k, v = inputs(b, t, torch.float64, seed=3)
+    bits = memberships(kind, b, t, n_groups, top_k, seed=top_k + 20)
+    for window in (1, 16, 400):
+        full = dense(q, k, v, bits, bits, window)
+        lists = GroupLists(b, n_groups, "cpu", capacity=4)  # small: exercises growth
+        lists.append(bits[:, :170])
+        for p in range(170, t):
+            lists.append(bits[:, p : p + 1])
+            out = decode_hard_attention(
+                q[:, :, p : p + 1],
+                k[:, :, : p + 1],
+                v[:, :, : p + 1],
+                bits_q=bits[:, p : p + 1],
+                bits_k=bits[:, : p + 1],
+                lists=lists,
+                window=window,
+                scale=SCALE,
+            )
+            torch.testing.assert_close(out, full[:, :, p : p + 1], atol=1e-12, rtol=0, msg=f"w={window} p={p}")
+        for bb in range(b):  # the lists hold exactly each group's members in order
+            for c in range(n_groups):
+                members = torch.nonzero((bits[bb] >> c) & 1).squeeze(1)
+                assert lists.members(bb, c, int(lists.count[bb, c])).equal(members)
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_module_prefill_chunks_and_decode_equal_full_forward(top_k):
+    """FocusAttention in hard mode: one forward over T = 260 (fast == reference), then the same tokens as a chunked
+    prefill onto a KV cache followed by token-by-token decoding (the group-list path)."""
+    cfg = FocusConfig(n_groups=4, window=32, mode="hard", top_k=top_k)
+    module = build_attention("focus", cfg, SPEC).eval()
+    with torch.no_grad():
+        module.centroids.mul_(3.0)
+    b, t = 2, 260
+    q, k, v, hidden = random_inputs(SPEC, b, t, torch.float32, seed=11)
+    pos = torch.arange(t)
+    with torch.no_grad():
+        module.impl = "reference"
+        reference = module(q, k, v, hidden=hidden, positions=pos).output
+        module.impl = "auto"
+        assert_exact32(module(q, k, v, hidden=hidden, positions=pos).output, reference, "forward")
+        cache = KVCache(b, SPEC.n_kv_heads, SPEC.head_dim, t, dtype=torch.float32, device="cpu")
+        pieces = []
+        for lo, hi in ((0, 100), (100, 180), *((p, p + 1) for p in range(180, t))):
+            pieces.append(
+                module(
+                    q[:, :, lo:hi],
+                    k[:, :, lo:hi],
+                    v[:, :, lo:hi],
+                    hidden=hidden[:, lo:hi],
+                    positions=pos[lo:hi],
+                    cache=cache,
+                ).output
+            )
+        assert cache.extra["focus_lists"].length == t
+    assert_exact32(torch.cat(pieces, 2), reference, "chunked prefill + decode")
+
+
+# ---- GPU form through FlexAttention's eager implementation -------------------------------------------------------
+@pytest.fixture
+def eager_flex_backward(monkeypatch):
+    """FlexAttention refuses backward on CPU up front; its eager math implementation has one, which is what the CPU
+    check of the GPU code's logic uses."""
+    import torch.nn.attention.flex_attention as fa
+
+    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+@pytest.mark.parametrize("kind", ["balanced", "collapsed"])
+def test_flex_form_equals_dense_reference(kind, eager_flex_backward):
+    b, t, n_groups = 2, 300, 4
+    for dtype in (torch.float64, torch.float32):
+        q, k, v = inputs(b, t, dtype, seed=1)
+        for top_k in (1, 2, 4) if kind == "balanced" and dtype == torch.float64 else (1, 2):
+            bits = memberships(kind, b, t, n_groups, top_k, seed=30 + top_k)
+            window = 16
+
+            def flex(q, k, v, bits=bits, top_k=top_k, window=window):
+                return flex_hard_attention(
+                    q,
+                    k,
+                    v,
+                    bits_q=bits[:, -q.shape[2] :],
+                    bits_k=bits[:, : k.shape[2]],
+                    window=window,
+                    scale=SCALE,
+                    n_groups=n_groups,
+                    top_k=top_k,
+                    compiled=False,
+                )
+
+            ref_out, ref_grads = values_and_grads(dense_fn(bits, window), q, k, v)
+            fast_out, fast_grads = values_and_grads(flex, q, k, v)
+            if dtype == torch.float32:
+                assert_exact32(fast_out, ref_out, f"{kind} k={top_k}")
+                continue
+            torch.testing.assert_close(fast_out, ref_out, atol=1e-12, rtol=0)
+            for a, r in zip(fast_grads, ref_grads):
+                torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+            with torch.no_grad():  # a chunk onto a cache: queries are the last 70 tokens
+                torch.testing.assert_close(flex(q[:, :, 230:], k, v), ref_out[:, :, 230:], atol=1e-12, rtol=0)
+
+
+def _block_sets(kv_num, kv_idx, nq, nk):
+    dense_blocks = torch.zeros(kv_num.shape[0], nq, nk, dtype=torch.bool)
+    for bb in range(kv_num.shape[0]):
+        for i in range(nq):
+            dense_blocks[bb, i, kv_idx[bb, 0, i, : kv_num[bb, 0, i]].long()] = True
+    return dense_blocks
+
+
+def _token_blocks(allowed, block):
+    """[B, Nq, Nk] token mask -> [B, nq, nk]: (any allowed pair, every pair allowed) per block."""
+    b, nq_tok, nk_tok = allowed.shape
+    nq, nk = -(-nq_tok // block), -(-nk_tok // block)
+    padded = torch.zeros(b, nq * block, nk * block, dtype=torch.bool)
+    valid = torch.zeros_like(padded)
+    padded[:, :nq_tok, :nk_tok] = allowed
+    valid[:, :nq_tok, :nk_tok] = True
+    blocks = padded.view(b, nq, block, nk, block)
+    any_allowed = blocks.any(4).any(2)
+    all_allowed = (blocks | ~valid.view(b, nq, block, nk, block)).all(4).all(2)
+    return any_allowed, all_allowed
+
+
+@pytest.mark.parametrize("n_groups,top_k,kind", [(8, 1, "balanced"), (4, 2, "skewed"), (4, 1, "collapsed")])
+def test_flex_block_masks_cover_the_allowed_pairs_and_skip_the_rest(n_groups, top_k, kind):
+    b, t, window = 2, 2000, 128
+    bits = memberships(kind, b, t, n_groups, top_k, seed=4)
+    for start in (0, 1873):  # a whole sequence, and a chunk onto a cache
+        bits_q = bits[:, start:]
+        tok_q, grp_q = _group_layout(bits_q, n_groups)
+        tok_k, grp_k = _group_layout(bits, n_groups)
+        pos_q, pos_k = tok_q + start, tok_k
+        kvn, kvi, fkvn, fkvi = group_block_mask_tensors(grp_q, pos_q, grp_k, pos_k, full_ok=top_k == 1)
+        sq, sk = bits_q.gather(1, tok_q), bits.gather(1, tok_k)
+        lower = (torch.ones_like(grp_q) << grp_q) - 1
+        allowed = (grp_q[:, :, None] == grp_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
+        allowed &= (sq[:, :, None] & sk[:, None, :] & lower[:, :, None]) == 0
+        nq, nk = -(-tok_q.shape[1] // FLEX_BLOCK), -(-tok_k.shape[1] // FLEX_BLOCK)
+        partial, full = _block_sets(kvn, kvi, nq, nk), _block_sets(fkvn, fkvi, nq, nk)
+        any_allowed, all_allowed = _token_blocks(allowed, FLEX_BLOCK)
+        assert not (partial & full).any(), "a block is both partial and full"
+        assert not (any_allowed & ~(partial | full)).any(), "an allowed pair lies in a skipped block"
+        assert not (full & ~all_allowed).any(), "a full block holds a masked pair"
+        if start == 0 and kind == "balanced":  # about 1/K of the causal blocks, not all of them
+            causal_blocks = nq * (nq + 1) / 2
+            assert (partial | full).sum() / b < 2.5 * causal_blocks / n_groups, (partial | full).sum() / b
+            assert full.any(), "blocks inside a group and below the diagonal are full"
+        # the band: causal, within the window (the group test is the mask_mod's)
+        n, idx = band_block_mask_tensors(t - start, t, window)
+        q_p, k_p = torch.arange(start, t), torch.arange(t)
+        near = ((q_p[:, None] - k_p[None, :]) >= 0) & ((q_p[:, None] - k_p[None, :]) < window)
+        band_any, _ = _token_blocks(near[None], FLEX_BLOCK)
+        band = _block_sets(n, idx, -(-(t - start) // FLEX_BLOCK), -(-t // FLEX_BLOCK))
+        assert band.equal(band_any), "the band visits exactly the blocks that hold window pairs"
+
+
+def test_causal_block_mask_is_cached_and_exact():
+    for tq, tk in ((300, 300), (1, 300), (77, 700), (128, 256)):
+        mask = flex_mod.causal_block_mask(tq, tk, "cpu")
+        assert flex_mod.causal_block_mask(tq, tk, "cpu") is mask, "built once per shape"
+        nq, nk = -(-tq // 128), -(-tk // 128)
+        partial = _block_sets(mask.kv_num_blocks, mask.kv_indices, nq, nk)
+        full = _block_sets(mask.full_kv_num_blocks, mask.full_kv_indices, nq, nk)
+        q_p, k_p = torch.arange(tk - tq, tk), torch.arange(tk)
+        any_allowed, all_allowed = _token_blocks((k_p[None, :] <= q_p[:, None])[None], 128)
+        assert not (partial & full).any() and (partial | full).equal(any_allowed) and not (full & ~all_allowed).any()
+
+
+# ---- Focus soft: lambda folded, gradients ------------------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
+def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_backward):
+    """The learnable lambda reaches the score_mod only through the captured per-token vectors; eager FlexAttention's
+    backward then gives every gradient (q, k, v, hidden, w_g, centroids, lambda) equal to the dense reference's."""
+    module = build_attention("focus", FocusConfig(window=16, gate=gate, lambda_init=4.0), SPEC).double()
+    q, k, v, hidden = random_inputs(SPEC, 2, 300, torch.float64, 0)
+    pos = torch.arange(300)
+    results = {}
+    for impl in ("reference", "flex"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, hidden)]
+        module.zero_grad(set_to_none=True)
+        if impl == "reference":
+            module.impl = "reference"
+            out = module(*xs[:3], hidden=xs[3], positions=pos).output
+        else:
+            g_q, g_k = module.assignments(xs[3], None)
+            out = module.soft_flex(*xs[:3], g_q, g_k, pos)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        (out * weights).sum().backward()
+        results[impl] = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()})
+    (ref_out, ref_grads, ref_pgrads), (out, grads, pgrads) = results["reference"], results["flex"]
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=0)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+    assert pgrads["lam"] is not None and pgrads["lam"].abs() > 0
+    for name, r in ref_pgrads.items():
+        torch.testing.assert_close(pgrads[name], r, atol=1e-10, rtol=0, msg=name)
