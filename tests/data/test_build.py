@@ -108,6 +108,7 @@ def test_embedded_unigram_entropy_matches_a_hand_count(embedded_builds):
     assert corpus.unigram_entropy < np.log(512)
 
 
+@pytest.mark.slow
 def test_fingerprint_follows_seq_len_and_val_fraction(embedded_builds, cache_dir):
     a = embedded_builds[0]
     other_len = build_corpus(

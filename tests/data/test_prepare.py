@@ -288,6 +288,7 @@ def cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_cli_end_to_end(tmp_path, corpus):
     out = tmp_path / "shards"
     done = cli(

@@ -14,6 +14,8 @@ import pytest
 from tests.conftest import REPO
 from tests.e2e.test_train_cli import overrides, train
 
+pytestmark = pytest.mark.slow  # each test runs the CLIs on a trained checkpoint
+
 
 @pytest.fixture(scope="module")
 def run_with_tasks(tmp_path_factory, cache_dir, shared_data) -> Path:

@@ -20,6 +20,7 @@ def run_info(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset,expected", [("gpt2-124m", 124_439_808), ("llama-7b", 6_738_415_616)])
 def test_info_cli_reports_known_parameter_counts(preset, expected):
     proc = run_info("--preset", preset, "--json")
