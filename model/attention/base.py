@@ -114,7 +114,8 @@ class Attention(nn.Module):
         documents: Tensor | None = None,
     ) -> AttnOut:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute
-        positions of the T tokens. documents: [B, T] document index per token (document-aware masking; model/documents.py)."""
+        positions of the T tokens. documents: [B, T] document index per token (document-aware
+        masking; model/documents.py)."""
         if documents is not None:
             if cache is not None:
                 raise ValueError("document masking applies to whole-sequence forwards, not to cached decoding")

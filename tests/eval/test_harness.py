@@ -68,7 +68,10 @@ def greedy_tokens(model, context: list[int], n: int) -> list[int]:
 def test_loglikelihood_tokens_match_hand_computation_in_request_order():
     model = tiny_model()
     g = torch.Generator().manual_seed(1)
-    rand = lambda n: torch.randint(1, CharTokenizer.vocab_size, (n,), generator=g).tolist()
+
+    def rand(n):
+        return torch.randint(1, CharTokenizer.vocab_size, (n,), generator=g).tolist()
+
     ctx = rand(4)
     requests = [
         (("r0", ""), rand(3), rand(1)),
