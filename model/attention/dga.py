@@ -34,7 +34,9 @@ see it arrives; the cache holds the compressed chunks plus the raw current and p
 (plus the queries of the chunks not yet folded). Sequence form: the paper's section 5.1 rule:
 prefill compresses the prompt, decode keeps new tokens raw until m' = ceil(decode_fold * m) of
 them, then keeps the top m'-m as focal and folds the other m into one group, weights from the
-last query. ``cache_size`` reports the slots against full attention's.
+last query. Either way nothing else is kept: the base cache's raw ``max_len`` buffers are freed.
+``cache_size`` reports the slots against full attention's and the bytes allocated
+(``kv_cache_nbytes``, which measures any layer cache).
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ class DGAConfig:
         check_min(key + "chunk_size", self.chunk_size, 1)
         if self.chunk_size < self.group_size:
             raise ConfigError(
-                f"{key}chunk_size: must be >= group_size={self.group_size} (a group lives inside one chunk), got {self.chunk_size}"
+                f"{key}chunk_size: must be >= group_size={self.group_size} (a group lives inside one chunk), "
+                f"got {self.chunk_size}"
             )
         check_min(key + "decode_fold", self.decode_fold, 1.0)
 
@@ -259,8 +262,7 @@ class DynamicGroupAttention(Attention):
         return raw, agg
 
     def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        if cache is not None:  # the grouped cache is its own path; the suite checks it against the uncached forward
-            return self._cached(q, k, v, q_pos, cache)
+        # a call with a cache never gets here: ``forward`` sends it to the grouped cache (``_cached``)
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         comp = self._compress_uncached(q, k, v, int(q_pos[-1]))[0]
@@ -283,8 +285,6 @@ class DynamicGroupAttention(Attention):
         return True  # the gathered path is exact on every device; CUDA uses FlexAttention when available
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        if cache is not None:
-            return self._cached(q, k, v, q_pos, cache)
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         comp, (ck, cv, avail) = self._compress_uncached(q, k, v, int(q_pos[-1]))
@@ -319,8 +319,9 @@ class DynamicGroupAttention(Attention):
         )
         return out.to(qb.dtype), cmask.sum(-1) + lmask.sum(-1)
 
-    def _attend_window(self, q, q_pos, k, v, ck, cv, avail) -> tuple[Tensor, Tensor]:
-        """Causal form: compressed chunks <= j-2 plus the raw chunks j-1 and j (up to the query)."""
+    def _attend_window(self, q, q_pos, k, v, ck, cv, avail, k_base: int = 0) -> tuple[Tensor, Tensor]:
+        """Causal form: compressed chunks <= j-2 plus the raw chunks j-1 and j (up to the query).
+        k/v row p holds position p + k_base (the cache keeps raw keys from the window of its first query on)."""
         b, h, tq, d = q.shape
         c = self.cfg.chunk_size
         tk = k.shape[2]
@@ -330,7 +331,7 @@ class DynamicGroupAttention(Attention):
             lo = max(0, (p0 // c - 1) * c)
             qb, qpos_b = q[:, :, None], q_pos.to(dev)[None]
             wpos = torch.arange(lo, p1, device=dev)[None]
-            lk, lv = k[:, :, None, lo:p1], v[:, :, None, lo:p1]
+            lk, lv = k[:, :, None, lo - k_base : p1 - k_base], v[:, :, None, lo - k_base : p1 - k_base]
         else:  # training / prefill: query blocks are whole chunks, each with a 2C window
             j0, j1 = p0 // c, (p1 - 1) // c
             nb = j1 - j0 + 1
@@ -339,9 +340,9 @@ class DynamicGroupAttention(Attention):
             qb = _pad_positions(q, p0, j0 * c, (j1 + 1) * c).view(b, h, nb, c, d)
             lo, hi = (j0 - 1) * c, (j1 + 1) * c
             wpos = (lo + torch.arange(hi - lo, device=dev)).unfold(0, 2 * c, c)  # [nb, 2C]
-            lk = _pad_positions(k, 0, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
-            lv = _pad_positions(v, 0, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
-            wpos = torch.where((wpos >= 0) & (wpos < tk), wpos, p1 + 1)  # padding never visible
+            lk = _pad_positions(k, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
+            lv = _pad_positions(v, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
+            wpos = torch.where((wpos >= k_base) & (wpos < k_base + tk), wpos, p1 + 1)  # padding never visible
         lmask = (wpos[:, None, :] <= qpos_b[:, :, None]) & (wpos[:, None, :] >= (qpos_b[:, :, None] // c - 1) * c)
         out, counts = self._attend(qb, qpos_b, ck, cv, avail, lk, lv, lmask)
         out, counts = out.reshape(b, h, -1, d), counts.reshape(b, h, -1)
@@ -351,7 +352,8 @@ class DynamicGroupAttention(Attention):
         return out, counts
 
     def _attend_complementary(self, q, q_pos, k, v, comp: Compressed, ck, cv, avail) -> tuple[Tensor, Tensor]:
-        """Sequence form: focal and finished aggregates, plus the members of the query's own unfinished group up to it."""
+        """Sequence form: focal and finished aggregates, plus the members of the query's own unfinished group
+        up to it."""
         b, h, tq, d = q.shape
         m = self.cfg.group_size
         nonfocal = comp.members.reshape(b, h, -1).contiguous()  # [B, H, n_nf] ascending positions
@@ -413,65 +415,108 @@ class DynamicGroupAttention(Attention):
         return flex_attention_fn(q.is_cuda)(q, keys, values, block_mask=block_mask, scale=self.scale)
 
     # ---- the grouped KV cache --------------------------------------------------------
+    def forward(self, q, k, v, *, hidden, positions, cache=None, documents=None) -> AttnOut:
+        """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
+        entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
+        freed on first use and never appended to; ``cache.length`` still counts every token."""
+        if cache is None or documents is not None:
+            return super().forward(q, k, v, hidden=hidden, positions=positions, cache=cache, documents=documents)
+        t = k.shape[2]
+        if cache.length + t > cache.max_len:
+            raise ValueError(f"KV cache full: {cache.length} + {t} tokens exceeds its max_len {cache.max_len}")
+        if cache.k.numel() or cache.v.numel():
+            cache.k, cache.v = cache.k.new_empty(0), cache.v.new_empty(0)
+        return self._cached(q, k, v, positions, cache)
+
     def _cached(self, q, k, v, q_pos, cache: KVCache) -> AttnOut:
-        hq = q.shape[1]
+        """q: the new queries; k, v: the new keys and values only (positions cache.length ..)."""
         if self.cfg.selection == "causal":
             out = self._cached_causal(q, k, v, q_pos, cache)
         else:
-            out = self._cached_sequence(q, ref.expand_kv(k, hq), ref.expand_kv(v, hq), q_pos, cache)
+            out = self._cached_sequence(q, k, v, q_pos, cache)
+        cache.length += k.shape[2]
         stats = {}
         if self.collect_stats:
             size = self.cache_size(cache)
             stats = {"cache_ratio": torch.tensor(size["dga_kv_slots"] / max(1, size["full_kv_slots"]))}
         return AttnOut(out, stats=stats)
 
+    def _entries_per_chunk(self) -> int:
+        c, m = self.cfg.chunk_size, self.cfg.group_size
+        r = focal_count(c, self.cfg.gamma, self.cfg.min_focal, m)
+        return r + (c - r) // m
+
+    def _causal_state(self, cache: KVCache, q: Tensor) -> dict:
+        """Buffers sized once from ``cache.max_len``: ``k``/``v`` hold the compressed entries ``[0, n)`` (chunk
+        after chunk, at the query head count) followed by the raw keys of positions ``folded * C ..``
+        (at most 2C + 1 of them); ``q`` holds the queries of those positions (importance samples, q_last)."""
+        st = cache.extra.get("dga")
+        if st is None:
+            b, hq, _, d = q.shape
+            c = self.cfg.chunk_size
+            entries = self._needed_chunks(cache.max_len - 1) * self._entries_per_chunk()
+            st = cache.extra["dga"] = {
+                "k": q.new_empty(b, hq, entries + 2 * c + 1, d),
+                "v": q.new_empty(b, hq, entries + 2 * c + 1, d),
+                "q": q.new_empty(b, hq, 2 * c + 1, d),
+                "n": 0,  # compressed entries
+                "folded": 0,  # chunks folded; raw keys and queries are held from position folded * C on
+            }
+        return st
+
     def _cached_causal(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
-        b, hq, _, d = q.shape
+        hq, t = q.shape[1], q.shape[2]
         c = self.cfg.chunk_size
-        st = cache.extra.setdefault(
-            "dga",
-            {
-                "folded": 0,
-                "q": q[:, :, :0],
-                "q_start": 0,
-                "k": q.new_zeros(b, hq, 0, d),
-                "v": q.new_zeros(b, hq, 0, d),
-                "avail": torch.zeros(b, hq, 0, dtype=torch.long, device=q.device),
-            },
-        )
-        st["q"] = torch.cat([st["q"], q], dim=2)  # queries of the chunks not yet folded (importance samples, q_last)
-        need = self._needed_chunks(int(q_pos[-1]))
-        if need > st["folded"]:
-            lo, hi = st["folded"] * c, (need + 1) * c  # chunks folded..need-1 and their successors
-            ks, vs = ref.expand_kv(k[:, :, lo:hi], hq), ref.expand_kv(v[:, :, lo:hi], hq)
-            _, (ck, cv, avail) = self._compress_causal(
-                st["q"], ks, vs, st["folded"], need, q_base=st["q_start"], k_base=lo
-            )
-            st["k"], st["v"] = torch.cat([st["k"], ck], 2), torch.cat([st["v"], cv], 2)
-            st["avail"] = torch.cat([st["avail"], avail], 2)
-            st["q"] = st["q"][:, :, need * c - st["q_start"] :]
-            st["folded"], st["q_start"] = need, need * c
-        return self._attend_window(q, q_pos, ref.expand_kv(k, hq), ref.expand_kv(v, hq), st["k"], st["v"], st["avail"])[
-            0
-        ]
+        st = self._causal_state(cache, q)
+        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
+        n, folded, p0 = st["n"], st["folded"], cache.length
+        base = folded * c  # first raw position held
+        held = p0 - base
+        need = self._needed_chunks(p0 + t - 1)
+        if t == 1 and need == folded:
+            # decode between folds: every compressed entry is visible, the raw keys held are the query's window
+            st["k"][:, :, n + held], st["v"][:, :, n + held], st["q"][:, :, held] = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+            keys, values = st["k"][:, :, : n + held + 1], st["v"][:, :, : n + held + 1]
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        # prefill, chunked prefill, or a decode step that folds: raw keys / queries of positions base .. p0 + t - 1
+        rk = torch.cat([st["k"][:, :, n : n + held], k], 2)
+        rv = torch.cat([st["v"][:, :, n : n + held], v], 2)
+        rq = torch.cat([st["q"][:, :, :held], q], 2)
+        if need > folded:  # chunks folded .. need - 1, from exactly the inputs the uncached forward uses
+            _, (ck, cv, _) = self._compress_causal(rq, rk, rv, folded, need, q_base=base, k_base=base)
+            st["k"][:, :, n : n + ck.shape[2]], st["v"][:, :, n : n + ck.shape[2]] = ck, cv
+            n += ck.shape[2]
+        avail = (torch.arange(n, device=q.device) // self._entries_per_chunk() + 2) * c  # chunk u: from (u + 2) C
+        out = self._attend_window(
+            q, q_pos, rk, rv, st["k"][:, :, :n], st["v"][:, :, :n], avail.expand(q.shape[0], hq, n), k_base=base
+        )[0]
+        folded = max(folded, need)
+        keep = slice(folded * c - base, None)  # raw keys and queries from the window of the next query on
+        kept = rk.shape[2] - (folded * c - base)
+        st["k"][:, :, n : n + kept], st["v"][:, :, n : n + kept] = rk[:, :, keep], rv[:, :, keep]
+        st["q"][:, :, :kept] = rq[:, :, keep]
+        st["n"], st["folded"] = n, folded
+        return out
 
     def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
-        """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1)."""
+        """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1).
+        The cache holds the compressed entries and the fewer than m' raw tokens since the last fold."""
+        hq = q.shape[1]
+        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         st = cache.extra.get("dga")
         if st is None:
             if int(q_pos[0]) != 0:
                 raise ValueError("dga (selection=sequence): the first call on a cache must prefill from position 0")
             comp, (ck, cv, avail) = self._compress_sequence(q, k, v)
             out, _ = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
-            cache.extra["dga"] = {"k": ck, "v": cv, "buffer_start": k.shape[2]}
+            cache.extra["dga"] = {"k": ck, "v": cv, "raw_k": k[:, :, :0].clone(), "raw_v": v[:, :, :0].clone()}
             return out
         m = self.cfg.group_size
         m_fold = math.ceil(round(self.cfg.decode_fold * m, 9))
         outs = []
         for i in range(q.shape[2]):  # each new token: all compressed entries + its raw buffer
-            pos = int(q_pos[i])
             qi = q[:, :, i : i + 1]
-            lk, lv = k[:, :, st["buffer_start"] : pos + 1], v[:, :, st["buffer_start"] : pos + 1]
+            lk, lv = torch.cat([st["raw_k"], k[:, :, i : i + 1]], 2), torch.cat([st["raw_v"], v[:, :, i : i + 1]], 2)
             keys, values = torch.cat([st["k"], lk], 2), torch.cat([st["v"], lv], 2)
             p = torch.softmax(ref.scores(qi, keys, self.scale), dim=-1)
             outs.append(ref.weighted_values(p, values, q.dtype))
@@ -479,7 +524,8 @@ class DynamicGroupAttention(Attention):
                 fk, fv, ak, av = self.fold(qi, lk, lv, m)
                 st["k"] = torch.cat([st["k"], fk, ak], 2)
                 st["v"] = torch.cat([st["v"], fv, av], 2)
-                st["buffer_start"] = pos + 1
+                lk, lv = lk[:, :, :0].clone(), lv[:, :, :0].clone()  # not views: they would keep lk's storage
+            st["raw_k"], st["raw_v"] = lk, lv
         return torch.cat(outs, dim=2)
 
     def fold(self, q_last: Tensor, k: Tensor, v: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -498,24 +544,45 @@ class DynamicGroupAttention(Attention):
         return ref.take_rows(k, focal_idx), ref.take_rows(v, focal_idx), ak, av
 
     def cache_size(self, cache: KVCache) -> dict[str, int]:
-        """Key/value slots per head DGA reads (and must keep) against full attention's, plus the
-        queries the causal form holds until their chunks are folded."""
+        """Key/value slots per head the grouped cache holds against full attention's, the queries the causal
+        form holds until their chunks are folded, and the bytes the cache has allocated (``kv_cache_nbytes``)."""
         st = cache.extra.get("dga")
         full = cache.length
+        nbytes = kv_cache_nbytes(cache)
         if st is None:
-            return {"full_kv_slots": full, "dga_kv_slots": full, "dga_query_slots": 0}
-        comp = st["k"].shape[2]
+            return {"full_kv_slots": full, "dga_kv_slots": full, "dga_query_slots": 0, "bytes": nbytes}
         if self.cfg.selection == "causal":
-            c = self.cfg.chunk_size
-            raw = full - max(0, (full // c - 1) * c)  # window of the next query
-            return {"full_kv_slots": full, "dga_kv_slots": comp + raw, "dga_query_slots": st["q"].shape[2]}
-        return {"full_kv_slots": full, "dga_kv_slots": comp + full - st["buffer_start"], "dga_query_slots": 0}
+            held = full - st["folded"] * self.cfg.chunk_size  # raw keys and queries from the next window on
+            return {"full_kv_slots": full, "dga_kv_slots": st["n"] + held, "dga_query_slots": held, "bytes": nbytes}
+        slots = st["k"].shape[2] + st["raw_k"].shape[2]
+        return {"full_kv_slots": full, "dga_kv_slots": slots, "dga_query_slots": 0, "bytes": nbytes}
 
     def _stats(self, counts: Tensor | None, q_pos: Tensor) -> dict[str, Tensor]:
         if counts is None:
             return {}
         full = (q_pos.to(counts.device) + 1).to(torch.float64)
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
+
+
+def kv_cache_nbytes(cache: KVCache) -> int:
+    """Bytes allocated by every tensor a layer's cache holds (its raw keys and values and whatever a variant
+    keeps in ``cache.extra``): the sum of their storages' sizes, each storage counted once. Measured, so
+    preallocated capacity counts, and a view counts its whole storage."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def visit(x) -> None:
+        if isinstance(x, Tensor):
+            storage = x.untyped_storage()
+            seen[(str(x.device), storage.data_ptr() or id(storage))] = storage.nbytes()
+        elif isinstance(x, dict):
+            for value in x.values():
+                visit(value)
+        elif isinstance(x, list | tuple):
+            for value in x:
+                visit(value)
+
+    visit([cache.k, cache.v, cache.extra])
+    return sum(seen.values())
 
 
 def _pad_positions(x: Tensor, x_start: int, lo: int, hi: int) -> Tensor:
