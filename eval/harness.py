@@ -3,11 +3,18 @@
 - ``FocusedLM``: lm_eval's ``TemplateLM`` over a ``model.transformer.Transformer`` and a ``data.tokenizer``
   tokenizer; registered as lm_eval model ``focused`` (``model_args``: ``checkpoint=DIR`` or ``run=DIR``,
   ``device=``, ``batch_size=``, ``max_length=``, ``max_gen_toks=``) once this module is imported.
-- ``render_tasks(data_dir)``: the task templates in eval/tasks/ with the local data files filled in,
-  written to a temporary include folder (YAML cannot read variables).
-- ``evaluate(lm, tasks, limit=, data_dir=)`` -> ``{task: {metric: value}}`` through ``lm_eval.simple_evaluate``
-  on those tasks alone (lm_eval's built-in index is never built, nothing is downloaded);
-  ``flatten_for_metrics`` turns it into ``{"eval/<task>/<metric>": value}`` for metrics.jsonl.
+  lm_eval's command line builds it with ``create_from_arg_obj`` (``create_from_arg_string`` from Python):
+  ``model_args`` win over the CLI's ``--device`` / ``--batch_size``, which fill in what they leave out; the
+  CLI's default device ``cuda:0`` on a machine without CUDA falls back to ``auto`` with a warning.
+  ``python -m eval.lm_eval`` runs lm_eval's own CLI with this module imported (eval/lm_eval.py).
+- eval/tasks/*.yaml: ready-to-use lm_eval tasks (``--include_path eval/tasks``) reading the local data
+  through ``local_dataset`` (data directory: task metadata ``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA,
+  else ``DEFAULT_DATA_DIR`` if present). ``render_tasks(data_dir)`` copies them to an include folder with
+  ``data_dir`` written into each task's metadata, after checking every file is there.
+- ``evaluate(lm, tasks, limit=, data_dir=, stderr=)`` -> ``{task: {metric: value}}`` through
+  ``lm_eval.simple_evaluate`` on those tasks alone (lm_eval's built-in index is never built, nothing is
+  downloaded); with ``stderr`` each metric also gets lm_eval's ``<metric>_stderr`` (None where lm_eval
+  has none); ``flatten_for_metrics`` turns it into ``{"eval/<task>/<metric>": value}`` for metrics.jsonl.
 
 Tasks are lm_eval's hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq, social_iqa,
 lambada_openai and wikitext with the built-in prompts, delimiters and metrics, zero-shot, read from a
@@ -57,9 +64,12 @@ from model.errors import ConfigError
 log = logging.getLogger(__name__)
 
 DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
+DEFAULT_DATA_DIR = "~/.cache/focused_pretrain/eval_data"  # used when it exists and nothing else is given
+STDERR_BOOTSTRAP_ITERS = 1000  # lm_eval's bootstrap draws for metrics without a closed-form stderr
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 LM_EVAL_PREFIX = "focused_"  # lm_eval-side task names: focused_hellaswag, ...
 MODEL_ARGS = ("checkpoint", "run", "device", "batch_size", "max_length", "max_gen_toks")
+LM_EVAL_ARGS = ("batch_size", "device")  # what lm_eval's additional_config may fill in (max_batch_size dropped)
 
 
 @dataclass(frozen=True)
@@ -295,13 +305,29 @@ class FocusedLM(TemplateLM):
 
     @classmethod
     def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> FocusedLM:
-        args = simple_parse_args_string(arg_string) | {
-            k: v for k, v in (additional_config or {}).items() if v is not None
-        }
-        args.pop("max_batch_size", None)  # lm_eval passes it for automatic batch sizes, which this model does not do
+        """``model_args="run=DIR,device=cpu"`` (lm_eval.simple_evaluate with a string)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict[str, Any], additional_config: dict | None = None) -> FocusedLM:
+        """``model_args`` as a dict (lm_eval's command line parses them to one). ``additional_config`` is
+        lm_eval's ``{"batch_size", "max_batch_size", "device"}`` from its own options: they fill in only
+        what ``model_args`` leave out, a CUDA device without CUDA is dropped (lm_eval defaults to
+        ``cuda:0``), and ``max_batch_size`` is ignored (no automatic batch size)."""
+        args = dict(arg_dict or {})
         unknown = sorted(set(args) - set(MODEL_ARGS))
         if unknown:
             raise ConfigError(f"model_args: {', '.join(unknown)} not accepted; allowed: {', '.join(MODEL_ARGS)}")
+        for key in LM_EVAL_ARGS:
+            value = (additional_config or {}).get(key)
+            if value is None or key in args:
+                continue
+            if key == "device" and str(value).startswith("cuda") and not torch.cuda.is_available():
+                log.warning("device: %s (lm_eval's --device or its default) but CUDA is unavailable; using auto", value)
+                continue
+            args[key] = value
+        if isinstance(args.get("batch_size"), str) and args["batch_size"].isdigit():
+            args["batch_size"] = int(args["batch_size"])  # lm_eval's --batch_size arrives as text
         return cls.from_checkpoint(**args)
 
     @classmethod
@@ -348,11 +374,14 @@ class FocusedLM(TemplateLM):
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
-    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA; it must be a directory."""
+    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA, else DEFAULT_DATA_DIR when it exists; a directory."""
     raw = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
     if not raw:
+        if Path(DEFAULT_DATA_DIR).expanduser().is_dir():
+            return Path(DEFAULT_DATA_DIR).expanduser()
         raise ConfigError(
-            f"data_dir: not given and ${DATA_ENV} is unset; pass the eval data directory (laid out like /work/shared/data)"
+            f"data_dir: not given and ${DATA_ENV} is unset (nor is there {DEFAULT_DATA_DIR}); pass the eval data "
+            "directory, laid out like the offline bundle (docs/eval.md)"
         )
     path = Path(raw).expanduser()
     if not path.is_dir():
@@ -387,27 +416,40 @@ def task_source(task: str, data_dir: Path) -> tuple[Source, Path]:
     raise ConfigError(f"data_dir: task {task!r} needs the file {data_dir / sources[0].path}{others}")
 
 
-def _render(template: str, source: Source, path: Path) -> str:
-    # The templates quote each placeholder, so a JSON string (a valid YAML double-quoted scalar) replaces it.
-    for key, value in (("@BUILDER@", source.builder), ("@SPLIT@", source.split), ("@FILE@", str(path.resolve()))):
-        template = template.replace(f'"{key}"', json.dumps(value))
-    return template
+def local_dataset(task: str, data_dir: str | Path | None = None):
+    """The ``datasets.DatasetDict`` of ``task``'s local file under the data directory, keyed by the split its
+    YAML names (a fallback source's rows stand in for that split, with a warning from ``task_source``)."""
+    import datasets
+
+    source, path = task_source(task, resolve_data_dir(data_dir))
+    extra = {"sample_by": "document"} if source.builder == "text" else {}
+    loaded = datasets.load_dataset(source.builder, data_files={source.split: str(path.resolve())}, **extra)
+    return datasets.DatasetDict({SOURCES[task][0].split: loaded[source.split]})
+
+
+def _with_data_dir(yaml_text: str, root: Path) -> str:
+    # every task YAML ends with a ``metadata:`` mapping; data_dir becomes its first entry
+    head, sep, tail = yaml_text.rpartition("\nmetadata:\n")
+    if not sep:
+        raise ValueError("task YAML without a metadata: block")
+    return f"{head}{sep}  data_dir: {json.dumps(str(root.resolve()))}\n{tail}"
 
 
 def render_tasks(
     data_dir: str | Path | None = None, tasks: Sequence[str] = TASKS, out_dir: str | Path | None = None
 ) -> Path:
-    """Write ``tasks``' YAMLs with their data files filled in (plus utils.py, which they call) to
-    ``out_dir`` (default: a new temporary folder, the caller's to delete) and return that folder,
+    """Copy ``tasks``' YAMLs with ``data_dir`` written into their metadata (plus utils.py, which they call)
+    to ``out_dir`` (default: a new temporary folder, the caller's to delete) and return that folder,
     an lm_eval ``include_path``. Every requested task's file must exist."""
     root = resolve_data_dir(data_dir)
     names = check_tasks(tasks)
-    chosen = {task: task_source(task, root) for task in names}  # all errors before any writing
+    for task in names:  # all errors before any writing
+        task_source(task, root)
     out = Path(out_dir) if out_dir is not None else Path(tempfile.mkdtemp(prefix="focused_tasks_"))
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(TASK_DIR / "utils.py", out / "utils.py")
-    for task, (source, path) in chosen.items():
-        (out / f"{task}.yaml").write_text(_render((TASK_DIR / f"{task}.yaml").read_text(), source, path))
+    for task in names:
+        (out / f"{task}.yaml").write_text(_with_data_dir((TASK_DIR / f"{task}.yaml").read_text(), root))
     return out
 
 
@@ -446,22 +488,35 @@ def _forget_modules(folder: Path) -> None:
         del sys.modules[name]
 
 
-def _metrics(entry: dict[str, Any]) -> dict[str, float]:
-    """lm_eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` -> ``{"acc": v}``."""
-    out = {}
+def _metrics(entry: dict[str, Any], stderr: bool = False) -> dict[str, float | None]:
+    """lm_eval's ``{"acc,none": v, "acc_stderr,none": s, "alias": ...}`` -> ``{"acc": v}``; with ``stderr``
+    ``{"acc": v, "acc_stderr": s}`` (None where lm_eval reports "N/A")."""
+    out: dict[str, float | None] = {}
     for key, value in entry.items():
         metric, _, filt = key.partition(",")
         if not filt or "_stderr" in metric or isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        out[metric if filt == "none" else f"{metric}_{filt}"] = float(value)
+        name = metric if filt == "none" else f"{metric}_{filt}"
+        out[name] = float(value)
+        if stderr:
+            err = entry.get(f"{metric}_stderr,{filt}")
+            ok = isinstance(err, (int, float)) and not isinstance(err, bool)
+            out[f"{name}_stderr"] = float(err) if ok else None
     return out
 
 
 def evaluate(
-    lm: FocusedLM, tasks: Sequence[str], *, limit: int | None = None, data_dir: str | Path | None = None
+    lm: FocusedLM,
+    tasks: Sequence[str],
+    *,
+    limit: int | None = None,
+    data_dir: str | Path | None = None,
+    stderr: bool = False,
 ) -> dict[str, dict[str, float]]:
     """Zero-shot lm_eval on ``tasks`` (user names: hellaswag, arc_easy, ...), at most ``limit``
-    documents each (None = all) -> ``{task: {metric: value}}`` on the reporting rank, {} elsewhere."""
+    documents each (None = all) -> ``{task: {metric: value}}`` on the reporting rank, {} elsewhere.
+    ``stderr``: also ``<metric>_stderr`` (closed form for means, ``STDERR_BOOTSTRAP_ITERS`` bootstrap
+    draws for perplexities); off, lm_eval computes none (the training loop's setting)."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -478,14 +533,14 @@ def evaluate(
                     tasks=[LM_EVAL_PREFIX + t for t in names],
                     limit=limit,
                     task_manager=manager,
-                    bootstrap_iters=0,
-                    log_samples=False,  # stderrs are dropped anyway; zero-shot is the tasks' default
+                    bootstrap_iters=STDERR_BOOTSTRAP_ITERS if stderr else 0,
+                    log_samples=False,  # zero-shot is the tasks' default
                 )
         finally:
             _forget_modules(include)
     if out is None or not lm.reports:
         return {}
-    return {task: _metrics(out["results"][LM_EVAL_PREFIX + task]) for task in names}
+    return {task: _metrics(out["results"][LM_EVAL_PREFIX + task], stderr) for task in names}
 
 
 def flatten_for_metrics(results: dict[str, dict[str, float]], prefix: str = "eval") -> dict[str, float]:

@@ -377,9 +377,16 @@ def main(argv: list[str] | None = None) -> int:
             from eval.harness import FocusedLM, evaluate
 
             lm = FocusedLM(model, tokenizer, device=device, batch_size=args.batch_size, max_length=gen.max_context)
-            for task, metrics in evaluate(lm, harness_tasks, limit=args.limit or None, data_dir=args.data_dir).items():
-                results[task] = metrics
-                print(f"{task}: " + ", ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            found = evaluate(lm, harness_tasks, limit=args.limit or None, data_dir=args.data_dir, stderr=True)
+            for task, metrics in found.items():
+                results[task] = metrics  # each metric with lm-eval's standard error beside it: acc, acc_stderr, ...
+                shown = (
+                    f"{k} {v:.4f}"
+                    + (f" ± {metrics[k + '_stderr']:.4f}" if metrics.get(k + "_stderr") is not None else "")
+                    for k, v in metrics.items()
+                    if not k.endswith("_stderr")
+                )
+                print(f"{task}: " + ", ".join(shown))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,10 +1,14 @@
-"""``process_docs`` for the local task YAMLs: turn the files of the offline data bundle into the
-documents lm_eval's built-in tasks see, so the built-in prompts apply unchanged.
+"""``custom_dataset`` and ``process_docs`` for the local task YAMLs: read the files of the offline data
+bundle and turn them into the documents lm_eval's built-in tasks see, so the built-in prompts apply
+unchanged.
 
-``eval.harness.render_tasks`` copies this file next to the rendered YAMLs (``!function utils.x``
-resolves relative to the YAML). lm_eval calls process_docs each time it asks for the documents;
-results are kept in memory per input dataset (its fingerprint) rather than in datasets' cache
-files, which would pile up since the rendered folder is a new temporary path on every run.
+``<task>_dataset(data_dir=None, **metadata)``: lm_eval passes the task's metadata (the YAML's, then
+``--metadata`` / ``TaskManager(metadata=...)``, which win); the data directory is ``data_dir``, else
+$FOCUSED_PRETRAIN_EVAL_DATA, else ~/.cache/focused_pretrain/eval_data (``eval.harness.local_dataset``).
+``eval.harness.render_tasks`` copies this file next to copies of the YAMLs with ``data_dir`` filled in
+(``!function utils.x`` resolves relative to the YAML). lm_eval calls process_docs each time it asks for
+the documents; results are kept in memory per input dataset (its fingerprint) rather than in datasets'
+cache files, which would pile up since the rendered folder is a new temporary path on every run.
 """
 
 from __future__ import annotations
@@ -133,3 +137,48 @@ def wikitext_pages(dataset: datasets.Dataset) -> datasets.Dataset:
         current.append(line)
     pages.append("\n".join(current + [""]))  # the file ends with a newline
     return datasets.Dataset.from_dict({"page": pages})
+
+
+# ---- the datasets (custom_dataset) ---------------------------------------------------------------
+
+
+def _local(task: str, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+    from eval.harness import local_dataset
+
+    return local_dataset(task, data_dir)
+
+
+def hellaswag_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("hellaswag", **kwargs)
+
+
+def arc_easy_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("arc_easy", **kwargs)
+
+
+def arc_challenge_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("arc_challenge", **kwargs)
+
+
+def piqa_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("piqa", **kwargs)
+
+
+def winogrande_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("winogrande", **kwargs)
+
+
+def boolq_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("boolq", **kwargs)
+
+
+def social_iqa_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("social_iqa", **kwargs)
+
+
+def lambada_openai_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("lambada_openai", **kwargs)
+
+
+def wikitext_dataset(**kwargs) -> datasets.DatasetDict:
+    return _local("wikitext", **kwargs)

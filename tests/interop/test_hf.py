@@ -16,11 +16,11 @@ import torch
 
 from core.errors import ConfigError
 from tests.conftest import REPO
+from tests.interop.conftest import SMALL, VOCAB, our_checkpoint, randomise
 
 transformers = pytest.importorskip("transformers")
 
 TOL = 1e-5
-VOCAB = 320  # >= the test tokenizers' vocabularies
 TEXT = (
     "When forty winters shall besiege thy brow, and dig deep trenches in thy beauty's field,\n"
     "thy youth's proud livery, so gazed on now, will be a tattered weed, of small worth held.\n"
@@ -57,25 +57,6 @@ def bpe_folder(tmp_path_factory) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module")
-def sp_model(tmp_path_factory) -> Path:
-    """A SentencePiece model trained like the demo's (data/tokenizer.py settings), small."""
-    from data.embedded import iter_embedded
-    from data.tokenizer import train_sentencepiece
-
-    docs = [d.text[:60_000] for _, d in zip(range(6), iter_embedded())]
-    return train_sentencepiece(docs, vocab_size=VOCAB, out_path=tmp_path_factory.mktemp("sp") / "tokenizer.model")
-
-
-def _randomise(model: torch.nn.Module, seed: int = 0) -> None:
-    """Weights far from HF's init (zero biases, unit norms), so every tensor's mapping shows in the logits."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen) * 0.1
-            p.copy_(1.0 + noise if ("norm" in name or ".ln_" in name) and p.dim() == 1 else noise)
-
-
 def _hf_config(kind: str, **extra):
     common = dict(vocab_size=VOCAB, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     if kind == "gpt2":
@@ -103,7 +84,7 @@ def _hf_config(kind: str, **extra):
 def _save_hf(folder: Path, kind: str, tokenizer: Path, *, seed: int = 0, **extra):
     cfg = _hf_config(kind, **extra)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
-    _randomise(model, seed)
+    randomise(model, seed)
     model.eval().save_pretrained(folder)
     if tokenizer.is_dir():
         for f in tokenizer.iterdir():
@@ -271,29 +252,6 @@ def test_unsupported_architecture_and_missing_tokenizer(tmp_path, bpe_folder):
 # ---- export: ours -> HF ---------------------------------------------------------------------------
 
 
-def _our_checkpoint(root: Path, model: dict, tokenizer: Path, seed: int = 0) -> Path:
-    """A checkpoint directory written by the project's own checkpoint code, random weights."""
-    from safetensors.torch import save_model
-
-    from data.tokenizer import load_tokenizer
-    from model.transformer import build_model
-    from pretrain.checkpoint import MODEL_FILE, save_checkpoint
-    from run.config import run_config_from_dict
-
-    cfg = run_config_from_dict({"model": {"preset": "", **model}, "data": {"tokenizer": str(tokenizer)}})
-    torch.manual_seed(seed)
-    net = build_model(cfg.model)
-    _randomise(net, seed)
-
-    def write(directory: Path) -> None:
-        save_model(net, str(directory / MODEL_FILE))
-        load_tokenizer(tokenizer).save(directory)
-
-    state = {"step": 1, "tokens": 0, "config": cfg.to_toml()}
-    return save_checkpoint(root, 1, write_engine_state=write, trainer_state=state, keep=0)
-
-
-SMALL = dict(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, d_ff=96, max_seq_len=64)
 EXPORTS = {
     "llama-gqa": (dict(family="llama", n_kv_heads=2), "LlamaForCausalLM"),
     "llama-tied-bias": (dict(family="llama", tie_embeddings=True, bias=True), "LlamaForCausalLM"),
@@ -323,7 +281,7 @@ def test_export_loads_in_transformers_with_parity(case, tmp_path, sp_model):
     from run.checkpoint import load_model
 
     model, arch = EXPORTS[case]
-    path = _our_checkpoint(tmp_path / "run", SMALL | model, sp_model)
+    path = our_checkpoint(tmp_path / "run", SMALL | model, sp_model)
     out = export_hf(path, tmp_path / "hf", log=lambda _: None)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == [arch]
@@ -345,7 +303,7 @@ def test_export_loads_in_transformers_with_parity(case, tmp_path, sp_model):
 def test_export_bf16_sharded_and_refuses_non_empty_out(tmp_path, sp_model):
     from pretrain.export import export_hf
 
-    path = _our_checkpoint(tmp_path / "run", SMALL | dict(family="llama"), sp_model)
+    path = our_checkpoint(tmp_path / "run", SMALL | dict(family="llama"), sp_model)
     out = export_hf(path, tmp_path / "hf", dtype="bf16", max_shard_size="60KB", log=lambda _: None)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1 and not (out / "model.safetensors").exists()
@@ -363,7 +321,7 @@ def test_variant_export_is_refused_or_explicit_and_imports_back(tmp_path, sp_mod
     from run.checkpoint import load_model
 
     model = SMALL | dict(family="llama", attention={"kind": "focal", "focal": {"mode": "learned"}})
-    path = _our_checkpoint(tmp_path / "run", model, sp_model)
+    path = our_checkpoint(tmp_path / "run", model, sp_model)
     with pytest.raises(ConfigError) as err:
         export_hf(path, tmp_path / "hf", log=lambda _: None)
     message = str(err.value)
