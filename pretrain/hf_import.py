@@ -171,13 +171,20 @@ class _Parser(argparse.ArgumentParser):
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(
         prog="python -m pretrain.hf_import",
-        description=__doc__.split("\n\n")[1],
+        description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (config.json + weights)")
     p.add_argument("--out", required=True, help="run directory to create")
     p.add_argument("--config", help="base TOML run config (data, train, ... settings); the model comes from --hf")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="override")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="dotted config override, repeatable (train.max_steps=100)",
+    )
     p.add_argument("--tokenizer", help="tokenizer file or folder, if not in the --hf directory")
     p.add_argument("--no-start", action="store_true", help="write the import and config.toml only (no step 0)")
     args = p.parse_args(argv)
