@@ -486,16 +486,21 @@ class DynamicGroupAttention(Attention):
             _, (ck, cv, _) = self._compress_causal(rq, rk, rv, folded, need, q_base=base, k_base=base)
             st["k"][:, :, n : n + ck.shape[2]], st["v"][:, :, n : n + ck.shape[2]] = ck, cv
             n += ck.shape[2]
-        avail = (torch.arange(n, device=q.device) // self._entries_per_chunk() + 2) * c  # chunk u: from (u + 2) C
-        out = self._attend_window(
-            q, q_pos, rk, rv, st["k"][:, :, :n], st["v"][:, :, :n], avail.expand(q.shape[0], hq, n), k_base=base
-        )[0]
+        out = None
+        if t > 1:  # each query sees the entries of the chunks <= its own - 2 and its own window
+            avail = (torch.arange(n, device=q.device) // self._entries_per_chunk() + 2) * c  # chunk u: from (u + 2) C
+            out = self._attend_window(
+                q, q_pos, rk, rv, st["k"][:, :, :n], st["v"][:, :, :n], avail.expand(q.shape[0], hq, n), k_base=base
+            )[0]
         folded = max(folded, need)
-        keep = slice(folded * c - base, None)  # raw keys and queries from the window of the next query on
+        keep = slice(folded * c - base, None)  # raw keys and queries from the window of the last query on
         kept = rk.shape[2] - (folded * c - base)
         st["k"][:, :, n : n + kept], st["v"][:, :, n : n + kept] = rk[:, :, keep], rv[:, :, keep]
         st["q"][:, :, :kept] = rq[:, :, keep]
         st["n"], st["folded"] = n, folded
+        if out is None:  # one query after its fold: every entry and the raw keys held, as between folds
+            keys, values = st["k"][:, :, : n + kept], st["v"][:, :, : n + kept]
+            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
         return out
 
     def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
