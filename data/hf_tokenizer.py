@@ -124,7 +124,7 @@ def check_hf_tokenizer(tok: Tokenizer, folder: Path, texts: tuple[str, ...] = (S
 
     hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     for text in texts:
-        ours, theirs = tok.encode(text), hf.encode(text, add_special_tokens=False)
+        ours, theirs = tok.encode(text), hf.encode(text, add_special_tokens=False, verbose=False)
         if ours != theirs:
             at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
             return f"token {at} of {text[:40]!r}...: ours {ours[at : at + 3]}, transformers {theirs[at : at + 3]}"

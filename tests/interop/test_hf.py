@@ -210,6 +210,23 @@ def test_sentencepiece_folder_and_bin_weights(tmp_path, sp_model):
     assert isinstance(tok, SentencePieceTokenizer) and tok.fingerprint == load_tokenizer(sp_model).fingerprint
 
 
+def test_gpt2_original_key_layout(tmp_path, bpe_folder):
+    """OpenAI's GPT-2 files: no ``transformer.`` prefix, causal-mask buffers stored as tensors."""
+    from safetensors.torch import load_file, save_file
+
+    from pretrain.hf_import import import_hf
+    from run.checkpoint import load_model
+
+    theirs = _save_hf(tmp_path / "hf", "gpt2", bpe_folder)
+    weights = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    old = {k.removeprefix("transformer."): v for k, v in weights.items()}
+    old["h.0.attn.bias"] = torch.tril(torch.ones(1, 1, 64, 64))
+    old["h.0.attn.masked_bias"] = torch.tensor(-1e4)
+    save_file(old, str(tmp_path / "hf" / "model.safetensors"))
+    path = import_hf(tmp_path / "hf", tmp_path / "run", start=False, log=lambda _: None)
+    _compare("import gpt2 (original key layout)", theirs, load_model(path)[0])
+
+
 @pytest.mark.parametrize(
     "kind, extra, words",
     [
