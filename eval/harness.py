@@ -9,7 +9,7 @@
   ``python -m eval.lm_eval`` runs lm_eval's own CLI with this module imported (eval/lm_eval.py).
 - eval/tasks/*.yaml: ready-to-use lm_eval tasks (``--include_path eval/tasks``) reading the local data
   through ``local_dataset`` (data directory: task metadata ``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA,
-  else ``DEFAULT_DATA_DIR`` if present). ``render_tasks(data_dir)`` copies them to an include folder with
+  else ``run.config.DEFAULT_DATA_DIR`` if present). ``render_tasks(data_dir)`` copies them to an include folder with
   ``data_dir`` written into each task's metadata, after checking every file is there.
 - ``evaluate(lm, tasks, limit=, data_dir=, stderr=)`` -> ``{task: {metric: value}}`` through
   ``lm_eval.simple_evaluate`` on those tasks alone (lm_eval's built-in index is never built, nothing is
@@ -38,7 +38,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import shutil
 import sys
 import tempfile
@@ -59,12 +58,11 @@ from lm_eval.utils import (
 )
 from tqdm import tqdm
 
-from model.errors import ConfigError
+from core.errors import ConfigError
+from run.config import resolve_data_dir
 
 log = logging.getLogger(__name__)
 
-DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
-DEFAULT_DATA_DIR = "~/.cache/focused_pretrain/eval_data"  # used when it exists and nothing else is given
 STDERR_BOOTSTRAP_ITERS = 1000  # lm_eval's bootstrap draws for metrics without a closed-form stderr
 TASK_DIR = Path(__file__).resolve().parent / "tasks"
 LM_EVAL_PREFIX = "focused_"  # lm_eval-side task names: focused_hellaswag, ...
@@ -341,23 +339,19 @@ class FocusedLM(TemplateLM):
         max_gen_toks: int = 256,
     ) -> FocusedLM:
         """A checkpoint directory (or a run's latest complete one) with its own tokenizer."""
+        from core.device import resolve_device
         from data.tokenizer import load_tokenizer
-        from eval.run import _tokenizer_file
-        from pretrain.checkpoint import latest_checkpoint, load_model
-        from pretrain.engine import resolve_device
+        from run.checkpoint import load_model, resolve_checkpoint
+        from run.checkpoint import tokenizer_file as _tokenizer_file
 
         if (checkpoint is None) == (run is None):
             raise ConfigError("model_args: pass exactly one of checkpoint=DIR or run=DIR")
         if batch_size == "auto":
             raise ConfigError("batch_size: 'auto' is not supported; pass an integer >= 1")
         if checkpoint is not None:
-            path = Path(str(checkpoint))
-            if not path.is_dir():
-                raise ConfigError(f"checkpoint: no such directory {str(path)!r}")
+            path = resolve_checkpoint(str(checkpoint), key="checkpoint")
         else:
-            path = latest_checkpoint(Path(str(run)))
-            if path is None:
-                raise ConfigError(f"run: no complete checkpoint under {run}/checkpoints")
+            path = resolve_checkpoint(str(run), key="run")
         dev = resolve_device(str(device))
         model, _ = load_model(path, device=dev)
         return cls(
@@ -371,22 +365,6 @@ class FocusedLM(TemplateLM):
 
 
 # ---- tasks ---------------------------------------------------------------------------------------
-
-
-def resolve_data_dir(data_dir: str | Path | None) -> Path:
-    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA, else DEFAULT_DATA_DIR when it exists; a directory."""
-    raw = data_dir if data_dir is not None else os.environ.get(DATA_ENV)
-    if not raw:
-        if Path(DEFAULT_DATA_DIR).expanduser().is_dir():
-            return Path(DEFAULT_DATA_DIR).expanduser()
-        raise ConfigError(
-            f"data_dir: not given and ${DATA_ENV} is unset (nor is there {DEFAULT_DATA_DIR}); pass the eval data "
-            "directory, laid out like the offline bundle (docs/eval.md)"
-        )
-    path = Path(raw).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"data_dir: no such directory {str(path)!r}")
-    return path
 
 
 def check_tasks(tasks: Sequence[str] | str) -> list[str]:
@@ -459,7 +437,7 @@ def render_tasks(
 @contextlib.contextmanager
 def _kept_rng() -> Iterator[None]:
     # simple_evaluate reseeds python, numpy and torch; a training loop must not notice the eval.
-    from pretrain.checkpoint import rng_state, set_rng_state
+    from core.rng import rng_state, set_rng_state
 
     saved = rng_state()
     try:

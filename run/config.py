@@ -28,17 +28,20 @@ LM_EVAL_TASKS = (
     "wikitext",
 )
 EVAL_DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
+DEFAULT_DATA_DIR = "~/.cache/focused_pretrain/eval_data"  # used when it exists and nothing else is given
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
-    """The evaluation data directory: ``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA; it must exist."""
+    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA, else DEFAULT_DATA_DIR when it exists; a directory."""
     raw = data_dir if data_dir is not None else os.environ.get(EVAL_DATA_ENV)
     if not raw:
+        if Path(DEFAULT_DATA_DIR).expanduser().is_dir():
+            return Path(DEFAULT_DATA_DIR).expanduser()
         raise ConfigError(
-            f"data_dir: not given and ${EVAL_DATA_ENV} is unset; pass the eval data directory "
-            "(the layout of the offline evaluation bundle, see docs/eval.md)"
+            f"data_dir: not given and ${EVAL_DATA_ENV} is unset (nor is there {DEFAULT_DATA_DIR}); pass the eval data "
+            "directory, laid out like the offline bundle (docs/eval.md)"
         )
     path = Path(raw).expanduser()
     if not path.is_dir():
