@@ -1,4 +1,7 @@
-"""The training loop: step -> loss -> backward -> clip -> step -> log -> eval -> save.
+"""The training loop: step (loss -> backward -> clip -> optimizer) -> callbacks.
+
+Logging, validation, lm-eval tasks, checkpoints, the preemption marker and the final report are
+callbacks (``pretrain/callbacks.py``); the trainer's checkpointed state is ``pretrain.state.TrainState``.
 
 It never branches on the engine or the attention variant: engines sit behind
 ``pretrain.engines`` and variants behind the attention registry.
@@ -23,11 +26,13 @@ from eval.perplexity import mean_loss, perplexity
 from model.counts import flops_per_token
 from model.transformer import build_model
 from pretrain import checkpoint as ckpt
+from pretrain.callbacks import Callback, default_callbacks
 from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_first
 from pretrain.freezing import apply_trainable, check_patterns
-from pretrain.loggers import Loggers, Stopwatch, format_duration
-from pretrain.metrics import memory_gib, peak_flops
-from pretrain.signals import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER, PreemptionHandler
+from pretrain.loggers import Loggers
+from pretrain.metrics import peak_flops
+from pretrain.signals import PREEMPTED_EXIT_CODE, PreemptionHandler
+from pretrain.state import TrainState
 from run.config import RunConfig
 
 
@@ -60,12 +65,27 @@ def code_version() -> str:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig):
+    """Steps the model and calls its callbacks (``pretrain.callbacks``); ``callbacks=None`` is the
+    standard set for ``cfg``."""
+
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
+        self.callbacks = default_callbacks(cfg, report=False) if callbacks is None else callbacks
         self.step = 0
         self.tokens = 0
         self.last_val: float | None = None
+        self.stop = cfg.train.stop_at or cfg.train.max_steps
+        self.preempted = False
+
+    @property
+    def finished(self) -> bool:
+        """Trained to train.max_steps (not stopped early by a signal or train.stop_at)."""
+        return not self.preempted and self.step == self.cfg.train.max_steps
+
+    def _call(self, hook: str, *args) -> None:
+        for callback in self.callbacks:
+            getattr(callback, hook)(self, *args)
 
     # ---- setup ----------------------------------------------------------------------
     def setup(self) -> None:
@@ -109,7 +129,6 @@ class Trainer:
         if self.engine.is_main:
             self.corpus.tokenizer.save(self.run_dir)
             atomic_write_text(self.run_dir / "config.toml", cfg.to_toml())
-            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
         self.loggers = Loggers(
             self.run_dir,
             cfg.log,
@@ -146,30 +165,30 @@ class Trainer:
         if getattr(self, "engine", None) is None or self.engine.is_main:
             print(line, flush=True)
 
-    def _trainer_state(self) -> dict:
-        return {
-            "step": self.step,
-            "tokens": self.tokens,
-            "rng": self.engine.gather_object(rng_state()),  # one per rank
-            "world_size": self.engine.world_size,
-            "loader": self.engine.gather_object(self.loader.state_dict()),  # one per rank (a stream's differ)
-            "data_fingerprint": self.corpus.fingerprint,
-            "tokenizer_fingerprint": self.corpus.tokenizer.fingerprint,
-            "config": self.cfg.to_toml(),
-            "code_version": code_version(),
-        }
+    def _trainer_state(self) -> TrainState:
+        return TrainState(
+            step=self.step,
+            tokens=self.tokens,
+            rng=self.engine.gather_object(rng_state()),
+            world_size=self.engine.world_size,
+            loader=self.engine.gather_object(self.loader.state_dict()),
+            data_fingerprint=self.corpus.fingerprint,
+            tokenizer_fingerprint=self.corpus.tokenizer.fingerprint,
+            config=self.cfg.to_toml(),
+            code_version=code_version(),
+        )
 
     def _init_from(self, source: str) -> None:
         """Continue training another run's weights (context extension, retrofits): model only."""
         path = ckpt.resolve_checkpoint(source, key="train.init_from")
-        state = ckpt.load_trainer_state(path)
-        if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
+        state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
+        if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
                 f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to "
                 f"{path / 'tokenizer.model'}"
             )
         ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
-        self._say(f"initialised weights from {path} (step {state['step']})")
+        self._say(f"initialised weights from {path} (step {state.step})")
 
     def _restore(self) -> None:
         path = ckpt.latest_checkpoint(self.run_dir)
@@ -177,19 +196,17 @@ class Trainer:
             if self.cfg.train.init_from:
                 self._init_from(self.cfg.train.init_from)
             return
-        state = ckpt.load_trainer_state(path)
-        if state["tokenizer_fingerprint"] != self.corpus.tokenizer.fingerprint:
+        state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
+        if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
                 f"data.tokenizer: does not match the tokenizer of checkpoint {path} (fingerprints differ)"
             )
-        if state["data_fingerprint"] != self.corpus.fingerprint:
+        if state.data_fingerprint != self.corpus.fingerprint:
             raise ConfigError(f"data: the corpus or its settings changed since checkpoint {path}; use a new run.dir")
         self.engine.read_state(path)
-        self.loader.load_state_dict(state["loader"])
-        rng = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]
-        # same world size: each rank its own generators; resharded: every rank takes rank 0's
-        set_rng_state(rng[self.engine.rank] if len(rng) == self.engine.world_size else rng[0])
-        self.step, self.tokens = state["step"], state["tokens"]
+        self.loader.load_state_dict(state.loader)
+        set_rng_state(state.rng_for(self.engine.rank, self.engine.world_size))
+        self.step, self.tokens = state.step, state.tokens
         self.loggers.truncate_after(self.step)
         self._say(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
 
@@ -203,12 +220,13 @@ class Trainer:
             self.run_dir,
             self.step,
             write_engine_state=self._write_checkpoint_files,
-            trainer_state=self._trainer_state(),
+            trainer_state=self._trainer_state().state_dict(),
             keep=self.cfg.checkpoint.keep,
             meta={"tokens": self.tokens},
             coord=self.engine,
         )
         self._say(f"checkpoint saved: {path}")
+        self._call("post_checkpoint", path)
         return path
 
     # ---- steps ----------------------------------------------------------------------
@@ -231,10 +249,6 @@ class Trainer:
         self.loggers.log({"step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)})
         self.loggers.console(f"step {self.step:>6} | val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return loss
-
-    def _tasks_due(self) -> bool:
-        every = self.cfg.eval.tasks_every or self.cfg.eval.every
-        return bool(self.cfg.eval.tasks and every and self.step % every == 0)
 
     def evaluate_tasks(self) -> dict:
         """lm-eval tasks on the current weights (every rank runs them: sharded forwards need all
@@ -303,49 +317,32 @@ class Trainer:
         return record
 
     def run(self) -> TrainResult:
+        """step -> callbacks, until train.stop_at / train.max_steps or a preemption signal."""
         cfg = self.cfg.train
-        stop = cfg.stop_at or cfg.max_steps
-        if self.step >= stop:
-            self._say(f"nothing to do: the run is at step {self.step} (stop at {stop})")
+        if self.step >= self.stop:
+            self._say(f"nothing to do: the run is at step {self.step} (stop at {self.stop})")
             return TrainResult(self.step, self.tokens, None, 0)
-        timer, since, tokens_at, step_at = Stopwatch(), 0.0, self.tokens, self.step
         first = self.step  # the first step after (re)start is always logged
         self.model.train()
+        self._call("pre_train")
         with PreemptionHandler() as preempt:
-            while self.step < stop:
+            while self.step < self.stop:
                 if self._stop_requested(preempt):
                     break
-                log_step = self.step == first or (self.step + 1) % cfg.log_every == 0 or self.step + 1 == stop
+                last = self.step + 1 == self.stop
+                log_step = self.step == first or (self.step + 1) % cfg.log_every == 0 or last
+                self._call("pre_step")
                 record = self.train_step(log_step)
-                since += timer.lap()
-                if log_step:
-                    self._log_train(record, since, self.tokens - tokens_at, self.step - step_at, stop)
-                    since, tokens_at, step_at = 0.0, self.tokens, self.step
-                if self.cfg.eval.every and self.step % self.cfg.eval.every == 0:
-                    self.validate()
-                    timer.lap()  # validation time is not training throughput
-                if self._tasks_due():
-                    self.evaluate_tasks()
-                    timer.lap()
-                if self.step < stop and self.cfg.checkpoint.every and self.step % self.cfg.checkpoint.every == 0:
-                    self.save()
-                    timer.lap()
-            preempted = self.step < stop and self._stop_requested(preempt)
-        if preempted:
+                self._call("post_step", record)
+            self.preempted = self.step < self.stop and self._stop_requested(preempt)
+        if self.preempted:
             self._say(
                 f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step "
                 f"{self.step} and exiting with {PREEMPTED_EXIT_CODE}"
             )
-        elif self.step == cfg.max_steps:
-            if not self.cfg.eval.every or self.step % self.cfg.eval.every:
-                self.validate()
-            if self.cfg.eval.tasks and not self._tasks_due():  # the final weights are always evaluated
-                self.evaluate_tasks()
-        self.save()
+        self._call("post_train")
         self.loggers.close()
-        if preempted and self.engine.is_main:  # after the checkpoint: the sbatch script requeues on it
-            atomic_write_text(self.run_dir / PREEMPTED_MARKER, f"{self.step}\n")
-        return TrainResult(self.step, self.tokens, self.last_val, PREEMPTED_EXIT_CODE if preempted else 0)
+        return TrainResult(self.step, self.tokens, self.last_val, PREEMPTED_EXIT_CODE if self.preempted else 0)
 
     def _stop_requested(self, preempt: PreemptionHandler) -> bool:
         """Whether any rank got a preemption signal: signals reach ranks at different moments,
@@ -354,21 +351,6 @@ class Trainer:
             return preempt.requested
         flag = torch.tensor([float(preempt.requested)], device=self.device)
         return bool(self.engine.all_reduce_sum(flag).item() > 0)
-
-    def _log_train(self, record: dict, seconds: float, tokens: int, steps: int, stop: int) -> None:
-        tps = tokens / max(seconds, 1e-9)
-        record["tokens_per_s"] = tps
-        record["memory_gib"] = memory_gib(self.device)
-        if self.peak:
-            record["mfu"] = tps * self.flops_per_token / (self.peak * self.engine.world_size)
-        self.loggers.log(record)
-        eta = (stop - self.step) * seconds / max(1, steps)
-        self.loggers.console(
-            f"step {self.step:>6}/{self.cfg.train.max_steps} | loss {record['loss']:.4f} | lr {record['lr']:.2e} | "
-            f"gnorm {record['grad_norm']:.3f} | {tps:,.0f} tok/s"
-            + (f" | mfu {record['mfu']:.1%}" if "mfu" in record else "")
-            + f" | mem {record['memory_gib']:.2f} GiB | eta {format_duration(eta)}"
-        )
 
     def sample(self, max_new_tokens: int, prompt: str = "") -> str:
         """A short generated continuation, for the console (seeded: the same run prints the same sample)."""

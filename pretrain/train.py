@@ -43,9 +43,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.print_key:
             print(_resolved(cfg, args.print_key))
             return 0
-        from pretrain.loop import Trainer  # heavy imports only once the config is known good
+        from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
+        from pretrain.loop import Trainer
 
-        trainer = Trainer(cfg)
+        trainer = Trainer(cfg, callbacks=default_callbacks(cfg))
         trainer.setup()
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -53,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         result = trainer.run()
-        if result.exit_code == 0 and result.step == cfg.train.max_steps:
-            _final_report(trainer, result)
     except ConfigError as exc:  # data found wanting mid-run; a loader worker's error arrives wrapped in its traceback
         print(f"error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
         _leave_process_group()
@@ -77,25 +76,6 @@ def _resolved(cfg, key: str) -> str:
     if isinstance(value, dict):
         raise ConfigError(f"--print: {key!r} is a section, not a value")
     return str(value)
-
-
-def _final_report(trainer, result) -> None:
-    from eval.perplexity import perplexity
-
-    cfg = trainer.cfg
-    main_rank = trainer.engine.is_main
-    if result.val_loss is not None and main_rank:
-        entropy = trainer.corpus.unigram_entropy
-        print(
-            f"final validation loss {result.val_loss:.4f} | perplexity {perplexity(result.val_loss):.2f}"
-            + (f" | corpus unigram entropy {entropy:.4f} nats" if entropy is not None else "")
-        )
-    if cfg.eval.sample_tokens:
-        text = trainer.sample(
-            cfg.eval.sample_tokens, cfg.eval.sample_prompt
-        )  # every rank: sharded weights need all of them
-        if main_rank:
-            print("sample:\n" + text)
 
 
 def _leave_process_group() -> None:
