@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import types
 import typing
 from pathlib import Path
@@ -94,6 +95,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "", base: Any = Non
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
     obj = base if base is not None else cls()
+    data = _move_keys(data, getattr(cls, "moved_keys", {}), prefix)
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in _public_fields(cls)}
     sections = _sections(obj)
@@ -112,6 +114,28 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "", base: Any = Non
         else:
             setattr(obj, key, _coerce(value, tp, dotted))
     return obj
+
+
+def _move_keys(data: dict[str, Any], moved: dict[str, str], prefix: str) -> dict[str, Any]:
+    """Keys a section renamed (``moved_keys``: old -> new dotted path within the section) are read at
+    their new place, with a one-line note on stderr."""
+    if not any(old in data for old in moved):
+        return data
+    data = dict(data)
+    for old, new in moved.items():
+        if old not in data:
+            continue
+        value = data.pop(old)
+        *tables, leaf = new.split(".")
+        target = data
+        for table in tables:
+            target[table] = dict(target.get(table, {}))
+            target = target[table]
+        if leaf in target and target[leaf] != value:
+            raise ConfigError(f"{prefix}{old}: moved to {prefix}{new}, which is set too; keep only {prefix}{new}")
+        target[leaf] = value
+        print(f"note: {prefix}{old} is deprecated; use {prefix}{new}", file=sys.stderr)
+    return data
 
 
 def to_dict(obj: Any) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """``python -m launch.presets [--check]``: the run configs in ``launch/configs/``, one per model
-preset x attention variant (``<preset>_<variant>.toml``), written from the table below so the
-engine settings of every size live in one place. ``--check`` exits 1 when a file differs from
-what would be written (CI runs it through the tests).
+preset (``<preset>.toml``, full attention), written from the table below so the engine settings of
+every size live in one place. Every attention variant of the registry is then a derived config:
+``launch/configs/<preset>_<variant>.toml`` loads as ``<preset>.toml`` with
+``model.attention.kind = <variant>`` and the variant's own launch overrides
+(``run.config.derived_config``), so a new variant needs no file here. ``--check`` exits 1 when a
+file differs from what would be written (CI runs it through the tests).
 
 Settings target one node of 8 x 80 GB GPUs (H100): FSDP2 with bf16 parameters and fp32
 reduction, torch.compile per block, activation checkpointing as the size needs, about 1M tokens
@@ -47,30 +50,15 @@ SIZES: dict[str, Size] = {
     "llama-7b": Size(1.2e-4, 100_000, 2, "full"),
 }
 
-# Per-variant settings that differ from the variant's defaults at these sizes.
-VARIANT_NOTES = {
-    "full": "standard causal attention (SDPA / flash-attn)",
-    "focus": "Focus: Sinkhorn-balanced centroids, causal prefix scope (docs/focus.md)",
-    "lazy": "Lazy attention: distance bias + Elastic-Softmax; a large RoPE base, as the paper trains with",
-    "focal": "Focal temperature attention",
-    "dga": "Dynamic Group Attention, causal chunked selection (docs/dga.md)",
-    "prescored_hyper": (
-        "pre-scored HyperAttention: an approximation for long inputs; train with *_full.toml and evaluate "
-        "with this config's attention (docs/prescored_hyper.md)"
-    ),
-}
 GLOBAL_TOKENS = 1 << 20  # sequences per step = this / the preset's length
 
 
-def config_for(preset: str, variant: str) -> dict:
+def config_for(preset: str) -> dict:
     size, shape = SIZES[preset], PRESETS[preset]
     seq_len = shape["max_seq_len"]
-    model: dict = {"preset": preset, "attention": {"kind": variant}}
-    if variant == "lazy" and shape["family"] == "llama":
-        model["rope"] = {"theta": 500000.0}
     return {
-        "run": {"dir": f"runs/{preset}_{variant}"},
-        "model": model,
+        "run": {"dir": f"runs/{preset}"},
+        "model": {"preset": preset, "attention": {"kind": "full"}},
         "data": {
             "source": "fineweb-edu",
             "name": "sample-10BT",
@@ -85,7 +73,6 @@ def config_for(preset: str, variant: str) -> dict:
             "precision": "bf16",
             "compile": True,
             "activation_checkpointing": size.activation_checkpointing,
-            "fsdp_replicate": size.fsdp_replicate,
             "max_steps": size.max_steps,
             "batch_size": GLOBAL_TOKENS // seq_len,
             "micro_batch_size": size.micro_batch_size,
@@ -97,6 +84,7 @@ def config_for(preset: str, variant: str) -> dict:
             "grad_clip": 1.0,
             "seed": 0,
             "log_every": 10,
+            "fsdp2": {"replicate": size.fsdp_replicate},
         },
         "checkpoint": {"every": 1000, "keep": 3},
         "eval": {"every": 1000, "batches": 20, "sample_tokens": 64},
@@ -104,22 +92,30 @@ def config_for(preset: str, variant: str) -> dict:
     }
 
 
-def render(preset: str, variant: str) -> str:
+def render(preset: str) -> str:
     size = SIZES[preset]
     header = [
-        f"# {preset} with {VARIANT_NOTES[variant]}.",
-        f"# One node of 8 GPUs: fsdp2, bf16, compile, activation checkpointing {size.activation_checkpointing};",
+        f"# {preset} with full attention. One node of 8 GPUs: fsdp2, bf16, compile, activation checkpointing "
+        f"{size.activation_checkpointing};",
         f"# {GLOBAL_TOKENS // PRESETS[preset]['max_seq_len']} sequences x {PRESETS[preset]['max_seq_len']} tokens per "
         "step. Written by python -m launch.presets.",
-        "#   python -m launch.submit --config launch/configs/" + f"{preset}_{variant}.toml --nodes 1 --gpus-per-node 8",
+        f"#   python -m launch.submit --config launch/configs/{preset}.toml --nodes 1 --gpus-per-node 8",
+        "# Another attention variant (any name in the registry): the derived config",
+        f"# launch/configs/{preset}_<variant>.toml, e.g. {preset}_focus.toml: this file with",
+        "# model.attention.kind = <variant> and the variant's launch settings (or --set model.attention.kind=...).",
         "# Validation loss needs held-out local files: --set data.val_path=DIR.",
         "",
     ]
-    return "\n".join(header) + tomli_w.dumps(config_for(preset, variant))
+    return "\n".join(header) + tomli_w.dumps(config_for(preset))
 
 
 def files() -> dict[Path, str]:
-    return {CONFIG_DIR / f"{p}_{v}.toml": render(p, v) for p in SIZES for v in sorted(registry)}
+    return {CONFIG_DIR / f"{p}.toml": render(p) for p in SIZES}
+
+
+def derived_names() -> list[str]:
+    """Every ``<preset>_<variant>.toml`` the registry derives (no file on disk)."""
+    return [f"{p}_{v}.toml" for p in SIZES for v in sorted(registry)]
 
 
 def main(argv: list[str] | None = None) -> int:

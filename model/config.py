@@ -79,9 +79,7 @@ class AttentionConfig:
 
         check_choice("model.attention.kind", self.kind, sorted(registry))
         check_choice("model.attention.impl", self.impl, ("auto", "reference"))
-        validate = getattr(self.variant, "validate", None)
-        if validate is not None:
-            validate()
+        self.variant.validate(f"model.attention.{self.kind}.")
 
 
 @dataclass

@@ -154,15 +154,13 @@ class Transformer(nn.Module):
     def set_train_progress(self, step: int, max_steps: int) -> None:
         """Tell variants with step-dependent settings (Focus's lambda schedule) where training is."""
         for block in self.blocks:
-            hook = getattr(block.attn.core, "set_train_progress", None)
-            if hook is not None:
-                hook(step, max_steps)
+            block.attn.core.set_train_progress(step, max_steps)
 
     @torch.no_grad()
     def reference_batch_stats(self, idx: Tensor) -> dict[str, Tensor]:
         """Statistics a variant measures on a fixed batch across log steps (Focus: assignment
         stability). An eval-mode forward, only when some layer asks for it."""
-        cores = [block.attn.core for block in self.blocks if getattr(block.attn.core, "uses_reference_batch", False)]
+        cores = [block.attn.core for block in self.blocks if block.attn.core.uses_reference_batch]
         if not cores:
             return {}
         was_training = self.training

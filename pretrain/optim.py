@@ -8,15 +8,18 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from model.attention import Attention
+
 if TYPE_CHECKING:
     from run.config import TrainConfig
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Decay matrices only: no weight decay on norms, biases, embeddings, or what a module lists in
-    its ``no_weight_decay`` attribute (attention bias tables, centroids, offsets)."""
+    its ``no_weight_decay`` attribute (an attention variant's hook: (attention bias tables, centroids, offsets)."""
     no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    no_decay_ids |= {id(getattr(m, name)) for m in model.modules() for name in getattr(m, "no_weight_decay", ())}
+    attention = [m for m in model.modules() if isinstance(m, Attention)]
+    no_decay_ids |= {id(getattr(m, name)) for m in attention for name in m.no_weight_decay}
     decay, no_decay, seen = [], [], set()
     for _, p in model.named_parameters():
         if id(p) in seen:  # frozen parameters stay in: no gradient means AdamW leaves them untouched

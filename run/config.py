@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from core import configlib
 from core.errors import ConfigError, check_choice, check_min, check_range
@@ -57,11 +57,7 @@ class RunSection:
 
 @dataclass
 class TrainConfig:
-    engine: str = "single"
-    zero_stage: int = 0  # deepspeed: ZeRO stage 0-3
-    # deepspeed: JSON file with the ZeRO options (offload, bucket sizes ...); "" = launch/deepspeed/zero.json.
-    # Batch sizes, precision, gradient clipping and the stage come from this run config.
-    deepspeed_config: str = ""
+    engine: str = "single"  # an engine of run.engines.ENGINE_SPECS; its own options: [train.<engine>]
     max_steps: int = 1000  # the schedule's length and the end of training
     stop_at: int = 0  # > 0: checkpoint and stop at this step, schedule unchanged (as a preemption would)
     batch_size: int = 32  # global sequences per optimizer step, whatever the world size
@@ -82,9 +78,6 @@ class TrainConfig:
     log_every: int = 10
     compile: bool = False  # torch.compile each transformer block (before FSDP2 wraps it)
     activation_checkpointing: str = "none"  # none | selective (recompute cheap ops) | full (recompute each block)
-    # fsdp2: HSDP when > 1: ranks form a (replicate x shard) mesh, parameters sharded within a
-    # group of world_size / fsdp_replicate ranks and replicated across the groups (1 = plain FSDP)
-    fsdp_replicate: int = 1
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
     # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
     init_from: str = ""
@@ -93,25 +86,41 @@ class TrainConfig:
     trainable: list[str] = field(default_factory=list)
     freeze: list[str] = field(default_factory=list)
     unfreeze_at: int = 0
+    # each engine's own options (the table [train.<engine>]), filled from the engine specs
+    engine_options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
+    # keys that moved into an engine's table: still read, with a one-line note (core.configlib)
+    moved_keys: ClassVar[dict[str, str]] = {
+        "zero_stage": "deepspeed.zero_stage",
+        "deepspeed_config": "deepspeed.config",
+        "fsdp_replicate": "fsdp2.replicate",
+    }
+
+    def __post_init__(self) -> None:
+        for name, spec in ENGINE_SPECS.items():
+            if spec.options_cls is not None:
+                self.engine_options.setdefault(name, spec.options_cls())
+
+    def config_sections(self) -> dict[str, Any]:
+        return self.engine_options
+
+    def options(self, engine: str) -> Any:
+        """``[train.<engine>]``'s options."""
+        return self.engine_options[engine]
 
     def validate(self) -> None:
         check_choice("train.engine", self.engine, ENGINE_SPECS)
         for name in ("max_steps", "batch_size", "log_every"):
             check_min(f"train.{name}", getattr(self, name), 1)
-        for name in ("micro_batch_size", "warmup_steps", "stop_at", "zero_stage", "unfreeze_at"):
+        for name in ("micro_batch_size", "warmup_steps", "stop_at", "unfreeze_at"):
             check_min(f"train.{name}", getattr(self, name), 0)
-        check_range("train.zero_stage", self.zero_stage, 0, 3)
         check_choice("train.activation_checkpointing", self.activation_checkpointing, AC_MODES)
-        check_min("train.fsdp_replicate", self.fsdp_replicate, 1)
-        if self.fsdp_replicate > 1 and self.engine != "fsdp2":
-            raise ConfigError(
-                f"train.fsdp_replicate: {self.fsdp_replicate} needs train.engine = fsdp2 (HSDP), got {self.engine!r}"
-            )
-        if self.deepspeed_config and self.engine == "deepspeed" and not Path(self.deepspeed_config).is_file():
-            raise ConfigError(
-                f"train.deepspeed_config: {self.deepspeed_config} does not exist; expected a DeepSpeed JSON file (see "
-                "launch/deepspeed/)"
-            )
+        for name, options in self.engine_options.items():
+            options.validate(f"train.{name}.")
+            if name != self.engine and options != type(options)():
+                changed = next(k for k, v in vars(options).items() if v != getattr(type(options)(), k))
+                raise ConfigError(
+                    f"train.{name}.{changed}: set, but train.engine = {self.engine!r}; it applies to the {name} engine"
+                )
         if self.unfreeze_at and not ENGINE_SPECS[self.engine].changes_trainable:
             capable = ", ".join(n for n, s in ENGINE_SPECS.items() if s.changes_trainable)
             raise ConfigError(
@@ -229,9 +238,34 @@ def run_config_from_dict(data: dict[str, Any]) -> RunConfig:
     return cfg
 
 
+def derived_config(path: str | Path) -> dict[str, Any] | None:
+    """``<dir>/<base>_<variant>.toml`` that does not exist as a file: ``<dir>/<base>.toml`` with
+    ``model.attention.kind = <variant>``, the variant's launch overrides (``Attention.launch_overrides``)
+    and ``run.dir`` suffixed with the variant. None when ``path`` names no such pair."""
+    from model.attention import registry
+
+    path = Path(path)
+    if path.is_file() or path.suffix != ".toml":
+        return None
+    for variant in sorted(registry, key=len, reverse=True):  # prescored_hyper before any shorter suffix
+        base = path.with_name(path.name.removesuffix(f"_{variant}.toml") + ".toml")
+        if path.name.endswith(f"_{variant}.toml") and base.is_file():
+            data = configlib.load_toml(base)
+            family = model_config_from_dict(dict(data.get("model", {}))).family
+            configlib.apply_override(data, f"model.attention.kind={variant}")
+            for key, value in registry[variant].cls.launch_overrides(family).items():
+                configlib.apply_override(data, f"{key}={value}")
+            run_dir = data.get("run", {}).get("dir")
+            if run_dir:
+                configlib.apply_override(data, f'run.dir="{run_dir}_{variant}"')
+            return data
+    return None
+
+
 def load_run_config(path: str | Path | None, overrides: list[str] = (), *, validate: bool = True) -> RunConfig:
-    """Read a TOML file (or nothing), apply ``--set`` overrides, build and validate."""
-    data = configlib.load_toml(path) if path else {}
+    """Read a TOML file (or a derived ``<base>_<variant>.toml``, see ``derived_config``), apply
+    ``--set`` overrides, build and validate."""
+    data = (derived_config(path) or configlib.load_toml(path)) if path else {}
     for assignment in overrides:
         configlib.apply_override(data, assignment)
     cfg = run_config_from_dict(data)

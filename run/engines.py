@@ -8,6 +8,38 @@ a layer below, so that config validation lists every engine without importing th
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from core.errors import ConfigError, check_min, check_range
+
+
+@dataclass
+class FSDP2Options:
+    """``[train.fsdp2]``"""
+
+    # HSDP when > 1: ranks form a (replicate x shard) mesh, parameters sharded within a group of
+    # world_size / replicate ranks and replicated across the groups (1 = plain FSDP)
+    replicate: int = 1
+
+    def validate(self, prefix: str) -> None:
+        check_min(prefix + "replicate", self.replicate, 1)
+
+
+@dataclass
+class DeepSpeedOptions:
+    """``[train.deepspeed]``"""
+
+    zero_stage: int = 0  # ZeRO stage 0-3
+    # JSON file with the ZeRO options (offload, bucket sizes ...); "" = launch/deepspeed/zero.json.
+    # Batch sizes, precision, gradient clipping and the stage come from the run config.
+    config: str = ""
+
+    def validate(self, prefix: str) -> None:
+        check_range(prefix + "zero_stage", self.zero_stage, 0, 3)
+        if self.config and not Path(self.config).is_file():
+            raise ConfigError(
+                f"{prefix}config: {self.config} does not exist; expected a DeepSpeed JSON file (see launch/deepspeed/)"
+            )
 
 
 @dataclass(frozen=True)
@@ -18,6 +50,8 @@ class EngineSpec:
     # whatever it derived from requires_grad (gradient buckets, sharded optimizer groups)
     changes_trainable: bool = False
     distributed: bool = False  # needs a process group (torchrun / SLURM); world size 1 still works
+    # the engine's own options, the table [train.<name>] (a dataclass with validate(prefix)); None: none
+    options_cls: type | None = None
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {}
@@ -31,7 +65,17 @@ def register_engine_spec(spec: EngineSpec) -> EngineSpec:
 for _spec in (
     EngineSpec("single", "one process, one device", changes_trainable=True),
     EngineSpec("ddp", "DistributedDataParallel: replicated weights, all-reduced gradients", distributed=True),
-    EngineSpec("fsdp2", "fully_shard (FSDP2; HSDP with train.fsdp_replicate > 1), DCP checkpoints", distributed=True),
-    EngineSpec("deepspeed", "DeepSpeed ZeRO 0-3 (train.zero_stage), optional CPU offload", distributed=True),
+    EngineSpec(
+        "fsdp2",
+        "fully_shard (FSDP2; HSDP with train.fsdp2.replicate > 1), DCP checkpoints",
+        distributed=True,
+        options_cls=FSDP2Options,
+    ),
+    EngineSpec(
+        "deepspeed",
+        "DeepSpeed ZeRO 0-3 (train.deepspeed.zero_stage), optional CPU offload",
+        distributed=True,
+        options_cls=DeepSpeedOptions,
+    ),
 ):
     register_engine_spec(_spec)

@@ -7,6 +7,7 @@ from model.attention.base import (  # noqa: F401
     KVCache,
     LayerSpec,
     SuiteCase,
+    VariantConfig,
     build_attention,
     register_attention,
     registry,

@@ -51,6 +51,15 @@ class SuiteCase:
     causal: bool = True
 
 
+@dataclass
+class VariantConfig:
+    """Base of a variant's options (``[model.attention.<name>]``)."""
+
+    def validate(self, prefix: str) -> None:
+        """One-line ``ConfigError`` naming ``prefix + field`` for a bad value; ``prefix`` is the table's
+        dotted path, e.g. ``model.attention.focus.``."""
+
+
 class KVCache:
     """One layer's keys and values for positions [0, length), preallocated to ``max_len``.
 
@@ -86,10 +95,25 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    """Base of every variant. Subclasses set ``name``/``config_cls`` via ``register_attention``."""
+    """Base of every variant: the whole protocol, each optional hook with its default.
+
+    Subclasses set ``name``/``config_cls`` via ``register_attention`` and implement ``reference``;
+    everything else here has a default that means "this variant does not use it".
+    """
 
     name: ClassVar[str] = ""
-    config_cls: ClassVar[type] = object
+    config_cls: ClassVar[type] = VariantConfig
+    # one line for launch configs, presets and docs
+    description: ClassVar[str] = ""
+    # names of this module's own parameters that AdamW must not decay (bias tables, centroids)
+    no_weight_decay: ClassVar[tuple[str, ...]] = ()
+    # statistics compared across steps are computed on the trainer's fixed validation batch
+    # (Transformer.reference_batch_stats sets ``reference_batch`` for that forward)
+    uses_reference_batch: ClassVar[bool] = False
+    # document-aware masking (data.document_masking) through ``document_attention``
+    supports_documents: ClassVar[bool] = False
+    # trains (False: an inference-time approximation; train with full attention, evaluate with it)
+    trainable: ClassVar[bool] = True
 
     def __init__(self, cfg: Any, spec: LayerSpec):
         super().__init__()
@@ -97,10 +121,21 @@ class Attention(nn.Module):
         self.spec = spec
         self.impl = "auto"  # "auto" | "reference"; tests and debugging force the reference
         self.collect_stats = False  # set by the trainer on logging steps; stats can cost extra work
+        self.reference_batch = False  # set for the trainer's fixed-batch forward (uses_reference_batch)
 
     @classmethod
     def suite_cases(cls) -> list[SuiteCase]:
         return [SuiteCase("default")]
+
+    @classmethod
+    def launch_overrides(cls, family: str) -> dict[str, Any]:
+        """Dotted config keys a launch config for this variant sets beyond ``model.attention.kind``
+        (e.g. Lazy's large RoPE base on LLaMA-family models)."""
+        return {}
+
+    def set_train_progress(self, step: int, max_steps: int) -> None:
+        """Called before every training step (schedules such as Focus's lambda); values it sets must
+        live in persistent buffers so they are checkpointed with the weights."""
 
     def forward(
         self,
@@ -136,8 +171,6 @@ class Attention(nn.Module):
         return self.reference(q, k, v, **kwargs)
 
     # ---- what a variant implements --------------------------------------------------
-    supports_documents = False  # whether document_attention is implemented
-
     def document_attention(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, documents: Tensor) -> AttnOut:
         """Causal attention within each document of a packed sequence (documents: [B, T])."""
         raise NotImplementedError

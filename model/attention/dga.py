@@ -47,15 +47,15 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
-from model.errors import ConfigError, check_choice, check_min, check_range
+from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 
 SELECTIONS = ("causal", "sequence")
 
 
 @dataclass
-class DGAConfig:
+class DGAConfig(VariantConfig):
     selection: str = "causal"  # causal (training) | sequence (the paper's form: prefill only, leaks the future)
     gamma: float = 0.1  # focal share per selection unit (a chunk, or the whole sequence)
     min_focal: int = 1  # at least this many focal tokens per unit (the paper uses max(gamma L, 1k))
@@ -66,8 +66,8 @@ class DGAConfig:
     decode_fold: float = 1.1  # sequence-form decode folds a group every m' = ceil(decode_fold * m) tokens
     seed: int = 0
 
-    def validate(self) -> None:
-        key = "model.attention.dga."
+    def validate(self, prefix: str) -> None:
+        key = prefix
         check_choice(key + "selection", self.selection, SELECTIONS)
         check_range(key + "gamma", self.gamma, 0.0, 1.0, open_low=True)
         check_min(key + "min_focal", self.min_focal, 0)
@@ -126,6 +126,8 @@ class Compressed:
 
 @register_attention("dga", DGAConfig)
 class DynamicGroupAttention(Attention):
+    description = "Dynamic Group Attention, causal chunked selection (docs/dga.md)"
+
     def __init__(self, cfg: DGAConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
         self.scale = 1.0 / math.sqrt(spec.head_dim)

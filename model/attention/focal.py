@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import ConfigError, check_choice, check_min
-from model.attention.base import KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.base import KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.full import FullAttention
 
 MODES = ("constant", "learned")
@@ -27,24 +27,25 @@ SCOPES = ("query", "prefix_mean", "sequence_mean")
 
 
 @dataclass
-class FocalConfig:
+class FocalConfig(VariantConfig):
     mode: str = "constant"
     t: float = 0.4  # constant mode: temperature scale
     tau_min: float = 5.0  # learned mode: clip range of the divisor
     tau_max: float = 10.0
     scope: str = "query"  # learned mode: query | prefix_mean | sequence_mean (non-causal)
 
-    def validate(self) -> None:
-        check_choice("model.attention.focal.mode", self.mode, MODES)
-        check_choice("model.attention.focal.scope", self.scope, SCOPES)
-        check_min("model.attention.focal.t", self.t, 0.0, strict=True)
-        check_min("model.attention.focal.tau_min", self.tau_min, 0.0, strict=True)
+    def validate(self, prefix: str) -> None:
+        check_choice(prefix + "mode", self.mode, MODES)
+        check_choice(prefix + "scope", self.scope, SCOPES)
+        check_min(prefix + "t", self.t, 0.0, strict=True)
+        check_min(prefix + "tau_min", self.tau_min, 0.0, strict=True)
         if self.tau_max < self.tau_min:
-            raise ConfigError(f"model.attention.focal.tau_max: {self.tau_max} is below tau_min={self.tau_min}")
+            raise ConfigError(f"{prefix}tau_max: {self.tau_max} is below tau_min={self.tau_min}")
 
 
 @register_attention("focal", FocalConfig)
 class FocalAttention(FullAttention):
+    description = "Focal temperature attention"
     supports_documents = False  # its temperature reads positions and prefix statistics across documents
 
     def __init__(self, cfg: FocalConfig, spec: LayerSpec):

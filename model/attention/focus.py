@@ -32,7 +32,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.base import (
+    Attention,
+    AttnOut,
+    KVCache,
+    LayerSpec,
+    SuiteCase,
+    VariantConfig,
+    register_attention,
+)
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_available
 from model.attention.focus_hard import (
     GroupLists,
@@ -55,7 +63,7 @@ STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pair
 
 
 @dataclass
-class FocusConfig:
+class FocusConfig(VariantConfig):
     n_groups: int = 4  # K
     d_group: int = 16  # d_g; 0 = d_model (the paper's full-rank projection)
     tau: float = 0.1
@@ -75,8 +83,8 @@ class FocusConfig:
     top_k: int = 1  # hard mode: groups per token
     entropy_weight: float = 0.1  # auxiliary loss on assignment entropy while the centroids train
 
-    def validate(self) -> None:
-        p = "model.attention.focus."
+    def validate(self, prefix: str) -> None:
+        p = prefix
         check_range(p + "n_groups", self.n_groups, 1, MAX_GROUPS)
         check_min(p + "d_group", self.d_group, 0, note=" (0 = model.d_model)")
         check_min(p + "tau", self.tau, 0.0, strict=True)
@@ -110,6 +118,7 @@ def lambda_at(cfg: FocusConfig, step: int, max_steps: int) -> float:
 
 @register_attention("focus", FocusConfig)
 class FocusAttention(Attention):
+    description = "Focus: Sinkhorn-balanced centroids, causal prefix scope (docs/focus.md)"
     no_weight_decay = ("centroids",)
     uses_reference_batch = True  # assignment stability is measured on a fixed batch
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, register_attention
+from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
 from model.attention.flex import flex_attention_fn, flex_available
 from model.documents import document_mask
 
@@ -21,20 +21,22 @@ _HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 @dataclass
-class FullConfig:
+class FullConfig(VariantConfig):
     # auto: flash_attn when installed and usable (CUDA, 16-bit, no cache), else SDPA
     backend: str = "auto"
 
-    def validate(self) -> None:
-        check_choice("model.attention.full.backend", self.backend, BACKENDS)
+    def validate(self, prefix: str) -> None:
+        check_choice(prefix + "backend", self.backend, BACKENDS)
         if self.backend == "flash_attn" and not _HAS_FLASH_ATTN:
-            raise ConfigError("model.attention.full.backend: flash_attn is not installed (pip install '.[flash]')")
+            raise ConfigError(f"{prefix}backend: flash_attn is not installed (pip install '.[flash]')")
 
 
 @register_attention("full", FullConfig)
 class FullAttention(Attention):
     """Softmax attention. Subclasses that only change the logit scale (Focal) override
     ``logit_scale`` and keep both paths."""
+
+    description = "standard causal attention (SDPA / flash-attn)"
 
     def logit_scale(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> float | Tensor:
         """A float, or a per-query tensor [B, 1, Tq, 1] multiplying q . k."""

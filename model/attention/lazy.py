@@ -26,27 +26,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from core.errors import check_choice, check_min
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, register_attention
+from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
 from model.attention.flex import flex_available
-from model.errors import check_choice, check_min
 
 BIAS_INITS = ("zeros", "alibi")
 
 
 @dataclass
-class LazyConfig:
+class LazyConfig(VariantConfig):
     max_distance: int = 0  # bias table length; 0 = model.max_seq_len
     bias_init: str = "zeros"  # zeros | alibi (head slopes 2^(-8h/H), as ALiBi)
     tau_init: float = 1.0
 
-    def validate(self) -> None:
-        check_min("model.attention.lazy.max_distance", self.max_distance, 0, note=" (0 = model.max_seq_len)")
-        check_choice("model.attention.lazy.bias_init", self.bias_init, BIAS_INITS)
+    def validate(self, prefix: str) -> None:
+        check_min(prefix + "max_distance", self.max_distance, 0, note=" (0 = model.max_seq_len)")
+        check_choice(prefix + "bias_init", self.bias_init, BIAS_INITS)
 
 
 def alibi_slopes(n_heads: int) -> Tensor:
@@ -55,6 +56,12 @@ def alibi_slopes(n_heads: int) -> Tensor:
 
 @register_attention("lazy", LazyConfig)
 class LazyAttention(Attention):
+    description = "Lazy attention: distance bias + Elastic-Softmax; a large RoPE base, as the paper trains with"
+
+    @classmethod
+    def launch_overrides(cls, family: str) -> dict[str, Any]:
+        return {"model.rope.theta": 500000.0} if family == "llama" else {}
+
     no_weight_decay = ("distance_bias", "tau")
 
     def __init__(self, cfg: LazyConfig, spec: LayerSpec):

@@ -46,14 +46,14 @@ from torch import Tensor
 
 from core.errors import check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 
 SCORINGS = ("kmeans", "kmedian", "leverage")
 _EMPTY = -1e4  # logsumexp of a row with no key: exp(_EMPTY - real lse) is 0 in every float type
 
 
 @dataclass
-class PrescoredHyperConfig:
+class PrescoredHyperConfig(VariantConfig):
     scoring: str = "kmeans"  # kmeans | kmedian | leverage
     top_k: int = 2048  # keys kept per batch row and KV head; >= the key count keeps all
     min_keys: int = 32  # fewer survivors than this: plain HyperAttention over all keys (top_k = 0: always)
@@ -66,8 +66,8 @@ class PrescoredHyperConfig:
     lsh_bits: int = 7
     seed: int = 0
 
-    def validate(self) -> None:
-        key = "model.attention.prescored_hyper."
+    def validate(self, prefix: str) -> None:
+        key = prefix
         check_choice(key + "scoring", self.scoring, SCORINGS)
         check_min(key + "top_k", self.top_k, 0, note=" (0 = no pre-scoring: plain HyperAttention)")
         check_min(key + "min_keys", self.min_keys, 0)
@@ -153,6 +153,12 @@ class HyperPiece:
 
 @register_attention("prescored_hyper", PrescoredHyperConfig)
 class PrescoredHyperAttention(Attention):
+    description = (
+        "pre-scored HyperAttention: an approximation for long inputs; train with full attention and "
+        "evaluate with this variant (docs/prescored_hyper.md)"
+    )
+    trainable = False  # an inference-time approximation (train with full attention)
+
     def __init__(self, cfg: PrescoredHyperConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
         self.scale = 1.0 / math.sqrt(spec.head_dim)

@@ -1,7 +1,7 @@
 """The ``deepspeed`` engine: ZeRO stages 0-3 (optionally with CPU optimizer offload) behind the
 same adapter surface as the other engines.
 
-The ZeRO options come from a JSON file (``train.deepspeed_config``, default
+The ZeRO options come from a JSON file (``train.deepspeed.config``, default
 ``launch/deepspeed/zero.json``); everything the run config already says is filled in from it
 (stage, global and micro batch, accumulation steps, precision, gradient clipping), so the two
 cannot disagree. Our own AdamW and schedule are used (``zero_allow_untested_optimizer``), which
@@ -34,18 +34,19 @@ DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "deepspeed" / 
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
-    path = Path(cfg.deepspeed_config) if cfg.deepspeed_config else DEFAULT_CONFIG
+    options = cfg.options("deepspeed")
+    path = Path(options.config) if options.config else DEFAULT_CONFIG
     try:
         ds = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"train.deepspeed_config: cannot read {path} as JSON ({exc})") from None
+        raise ConfigError(f"train.deepspeed.config: cannot read {path} as JSON ({exc})") from None
     zero = ds.setdefault("zero_optimization", {})
-    if "stage" in zero and zero["stage"] != cfg.zero_stage:
+    if "stage" in zero and zero["stage"] != options.zero_stage:
         raise ConfigError(
-            f"train.zero_stage: {cfg.zero_stage} disagrees with stage {zero['stage']} in {path}; set the stage in one "
-            "place (train.zero_stage)"
+            f"train.deepspeed.zero_stage: {options.zero_stage} disagrees with stage {zero['stage']} in {path}; set "
+            "the stage in one place (train.deepspeed.zero_stage)"
         )
-    zero["stage"] = cfg.zero_stage
+    zero["stage"] = options.zero_stage
     micro = cfg.micro_batch_size or cfg.batch_size // world_size
     ds.update(
         {
@@ -117,7 +118,7 @@ class DeepSpeedEngine(DataParallelEngine):
         if self.is_main:
             from safetensors.torch import save_file
 
-            if self.cfg.zero_stage == 0:
+            if self.cfg.options("deepspeed").zero_stage == 0:
                 full = {k: v.detach().float().cpu() for k, v in self.raw_model.state_dict().items()}
             else:
                 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
@@ -133,7 +134,7 @@ class DeepSpeedEngine(DataParallelEngine):
                 "engine that wrote it"
             )
         saved = sorted(p.name for p in (directory / DS_TAG).glob("*model_states.pt"))
-        if self.cfg.zero_stage == 3 and len(saved) != self.world_size:
+        if self.cfg.options("deepspeed").zero_stage == 3 and len(saved) != self.world_size:
             raise ConfigError(
                 f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with "
                 "the same world size"

@@ -134,7 +134,7 @@ class DDPEngine(DataParallelEngine):
 class FSDP2Engine(DataParallelEngine):
     """Parameters, gradients and optimizer state sharded over ranks: ``fully_shard`` per block,
     then the root (embeddings, final norm and the tied head in one unit). bf16 parameters with
-    fp32 gradient reduction on CUDA; fp32 on CPU. ``train.fsdp_replicate`` > 1 makes it HSDP
+    fp32 gradient reduction on CUDA; fp32 on CPU. ``train.fsdp2.replicate`` > 1 makes it HSDP
     (a 2-D replicate x shard mesh)."""
 
     name = "fsdp2"
@@ -143,9 +143,9 @@ class FSDP2Engine(DataParallelEngine):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        replicate = self.cfg.fsdp_replicate
+        replicate = self.cfg.options("fsdp2").replicate
         if self.world_size % replicate:
-            raise ConfigError(f"train.fsdp_replicate: {replicate} does not divide the world size {self.world_size}")
+            raise ConfigError(f"train.fsdp2.replicate: {replicate} does not divide the world size {self.world_size}")
         if replicate > 1:  # HSDP: shard within groups, all-reduce across them
             mesh = init_device_mesh(
                 self.device.type, (replicate, self.world_size // replicate), mesh_dim_names=("replicate", "shard")

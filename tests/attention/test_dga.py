@@ -365,5 +365,5 @@ def test_flex_mask_mod_equals_the_reference_forward(selection):
 )
 def test_bad_options_are_one_line_config_errors(options, key):
     with pytest.raises(ConfigError, match=f"model.attention.dga.{key}") as err:
-        DGAConfig(**options).validate()
+        DGAConfig(**options).validate("model.attention.dga.")
     assert "\n" not in str(err.value)

@@ -62,6 +62,6 @@ def test_learned_tau_is_clipped_and_trains():
 
 def test_bad_focal_options():
     with pytest.raises(ConfigError, match="model.attention.focal.scope"):
-        FocalConfig(scope="global").validate()
+        FocalConfig(scope="global").validate("model.attention.focal.")
     with pytest.raises(ConfigError, match="model.attention.focal.tau_max: 4.0 is below tau_min=5.0"):
-        FocalConfig(tau_max=4.0).validate()
+        FocalConfig(tau_max=4.0).validate("model.attention.focal.")

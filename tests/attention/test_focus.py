@@ -267,10 +267,10 @@ def test_lambda_schedule():
 
 def test_bad_focus_options():
     with pytest.raises(ConfigError, match=r"model.attention.focus.lambda_learnable: a scheduled lambda"):
-        FocusConfig(lambda_schedule="linear").validate()
+        FocusConfig(lambda_schedule="linear").validate("model.attention.focus.")
     with pytest.raises(ConfigError, match=r"model.attention.focus.top_k: must be in \[1, 4\], got 5"):
-        FocusConfig(top_k=5).validate()
+        FocusConfig(top_k=5).validate("model.attention.focus.")
     with pytest.raises(
         ConfigError, match="model.attention.focus.sinkhorn_scope: 'global' is not one of prefix, sequence"
     ):
-        FocusConfig(sinkhorn_scope="global").validate()
+        FocusConfig(sinkhorn_scope="global").validate("model.attention.focus.")

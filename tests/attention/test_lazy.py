@@ -94,7 +94,7 @@ def test_alibi_init():
 
 def test_bad_lazy_options():
     with pytest.raises(ConfigError, match="model.attention.lazy.bias_init"):
-        LazyConfig(bias_init="rope").validate()
+        LazyConfig(bias_init="rope").validate("model.attention.lazy.")
 
 
 TAUS = {

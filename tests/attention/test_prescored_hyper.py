@@ -208,5 +208,5 @@ def test_kept_keys_are_gathered_so_the_work_drops():
 )
 def test_bad_options_are_one_line_config_errors(options, key):
     with pytest.raises(ConfigError, match=f"model.attention.prescored_hyper.{key}") as err:
-        PrescoredHyperConfig(**options).validate()
+        PrescoredHyperConfig(**options).validate("model.attention.prescored_hyper.")
     assert "\n" not in str(err.value)

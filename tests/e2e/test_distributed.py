@@ -35,10 +35,10 @@ ENGINES = {  # label -> overrides
     "ddp": {"train.engine": "ddp"},
     "fsdp2": {"train.engine": "fsdp2"},
     # HSDP (2 replicas x 1 shard) with every block recomputed in backward
-    "hsdp_ac": {"train.engine": "fsdp2", "train.fsdp_replicate": 2, "train.activation_checkpointing": "full"},
-    "zero1": {"train.engine": "deepspeed", "train.zero_stage": 1},
-    "zero2": {"train.engine": "deepspeed", "train.zero_stage": 2},
-    "zero3": {"train.engine": "deepspeed", "train.zero_stage": 3},
+    "hsdp_ac": {"train.engine": "fsdp2", "train.fsdp2.replicate": 2, "train.activation_checkpointing": "full"},
+    "zero1": {"train.engine": "deepspeed", "train.deepspeed.zero_stage": 1},
+    "zero2": {"train.engine": "deepspeed", "train.deepspeed.zero_stage": 2},
+    "zero3": {"train.engine": "deepspeed", "train.deepspeed.zero_stage": 3},
 }
 
 

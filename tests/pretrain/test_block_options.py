@@ -80,8 +80,10 @@ def test_bad_mode_is_a_one_line_error():
 
     with pytest.raises(ConfigError, match="train.activation_checkpointing"):
         TrainConfig(activation_checkpointing="some").validate()
-    with pytest.raises(ConfigError, match="train.fsdp_replicate: 2 needs train.engine = fsdp2"):
-        TrainConfig(fsdp_replicate=2).validate()
+    cfg = TrainConfig()
+    cfg.options("fsdp2").replicate = 2
+    with pytest.raises(ConfigError, match="train.fsdp2.replicate: set, but train.engine = 'single'"):
+        cfg.validate()
 
 
 @pytest.mark.slow

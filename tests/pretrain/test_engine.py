@@ -97,3 +97,23 @@ def test_config_validation_knows_the_harness_tasks_without_importing_lm_eval():
     from run.config import LM_EVAL_TASKS
 
     assert set(LM_EVAL_TASKS) == set(SOURCES)
+
+
+def test_engine_options_live_in_their_own_tables_and_old_keys_still_read(capsys):
+    from core.errors import ConfigError
+    from run.config import load_run_config
+
+    cfg = load_run_config(None, ["train.engine=deepspeed", "train.deepspeed.zero_stage=3"])
+    assert cfg.train.options("deepspeed").zero_stage == 3 and "[train.deepspeed]" in cfg.to_toml()
+    old = load_run_config(None, ["train.engine=deepspeed", "train.zero_stage=2", "train.deepspeed_config="])
+    assert old.train.options("deepspeed").zero_stage == 2
+    notes = capsys.readouterr().err.splitlines()
+    assert "note: train.zero_stage is deprecated; use train.deepspeed.zero_stage" in notes
+    assert "note: train.deepspeed_config is deprecated; use train.deepspeed.config" in notes
+    assert "zero_stage = 2" in old.to_toml() and "\nzero_stage" not in old.to_toml().split("[train.deepspeed]")[0]
+    hsdp = load_run_config(None, ["train.engine=fsdp2", "train.fsdp_replicate=2"])
+    assert hsdp.train.options("fsdp2").replicate == 2
+    with pytest.raises(ConfigError, match=r"^train.zero_stage: moved to train.deepspeed.zero_stage, which is set too"):
+        load_run_config(None, ["train.zero_stage=2", "train.deepspeed.zero_stage=3"])
+    with pytest.raises(ConfigError, match=r"^train.deepspeed.zero_stage: must be in \[0, 3\], got 4$"):
+        load_run_config(None, ["train.engine=deepspeed", "train.deepspeed.zero_stage=4"])

@@ -1,4 +1,5 @@
-"""launch/configs/: one run config per preset x attention variant, written by launch.presets."""
+"""launch/configs/: one run config per preset, written by launch.presets, and every attention variant
+of the registry as a derived config (<preset>_<variant>.toml: no file on disk)."""
 
 from __future__ import annotations
 
@@ -7,31 +8,38 @@ import sys
 
 import pytest
 
-from launch.presets import files
+from launch.presets import CONFIG_DIR, SIZES, files
 from model.attention import registry
 from run.config import load_run_config
 from tests.conftest import REPO
 
-CONFIGS = sorted(files())
+# (preset, variant) pairs, read off the registries at collection time: a new variant or size joins
+PAIRS = [(p, v) for p in SIZES for v in sorted(registry)]
 
 
-def test_every_preset_and_variant_has_an_up_to_date_config():
-    assert len(CONFIGS) == 10 * len(registry)
+def test_every_preset_has_an_up_to_date_config():
+    assert sorted(files()) == sorted(CONFIG_DIR / f"{p}.toml" for p in SIZES)
     stale = [p.name for p, text in files().items() if not p.is_file() or p.read_text() != text]
     assert not stale, f"run python -m launch.presets: {stale}"
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
-def test_config_validates_and_its_batch_fits_one_node_of_eight(path):
+@pytest.mark.parametrize("preset,variant", PAIRS, ids=[f"{p}_{v}" for p, v in PAIRS])
+def test_derived_config_validates_and_its_batch_fits_one_node_of_eight(preset, variant):
+    path = CONFIG_DIR / f"{preset}_{variant}.toml"
+    assert not path.exists()  # derived, not written
     cfg = load_run_config(str(path), [])
-    preset, variant = (
-        path.stem.rsplit("_", 1)
-        if not path.stem.endswith("prescored_hyper")
-        else (path.stem[: -len("_prescored_hyper")], "prescored_hyper")
-    )
     assert cfg.model.preset == preset and cfg.model.attention.kind == variant
+    assert cfg.run.dir == f"runs/{preset}_{variant}"
     assert cfg.train.batch_size * cfg.data.seq_len == 1 << 20
     assert cfg.train.batch_size % (cfg.train.micro_batch_size * 8) == 0
+    for key, value in registry[variant].cls.launch_overrides(cfg.model.family).items():
+        section, name = key.removeprefix("model.").split(".")
+        assert getattr(getattr(cfg.model, section), name) == value, key
+
+
+def test_lazy_on_llama_derives_the_large_rope_base_and_gpt2_does_not():
+    assert load_run_config(str(CONFIG_DIR / "llama-124m_lazy.toml"), []).model.rope.theta == 500000.0
+    assert load_run_config(str(CONFIG_DIR / "llama-124m_focus.toml"), []).model.rope.theta != 500000.0
 
 
 def test_submit_renders_a_preset_for_two_nodes():

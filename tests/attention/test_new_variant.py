@@ -1,0 +1,85 @@
+"""A new variant is one file + one registration: nothing else needs an edit.
+
+A throwaway variant (a name with an underscore, like ``prescored_hyper``) is registered by a pytest
+plugin loaded into a subprocess; the shared attention suite, the config and launch-preset tests
+then collect it from the registry and pass, with no test file edited.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import REPO
+
+PLUGIN = textwrap.dedent(
+    '''
+    """Registers a throwaway attention variant: plain causal softmax with a learnable per-head scale."""
+    from dataclasses import dataclass
+
+    import torch
+    from torch import nn
+
+    from core.errors import check_min
+    from model.attention import reference as ref
+    from model.attention.base import Attention, AttnOut, VariantConfig, register_attention
+
+
+    @dataclass
+    class ToyConfig(VariantConfig):
+        scale: float = 1.0
+
+        def validate(self, prefix):
+            check_min(prefix + "scale", self.scale, 0.0, strict=True)
+
+
+    @register_attention("toy_scaled", ToyConfig)
+    class ToyScaled(Attention):
+        description = "a test's throwaway variant"
+        no_weight_decay = ("log_scale",)
+
+        def __init__(self, cfg, spec):
+            super().__init__(cfg, spec)
+            self.log_scale = nn.Parameter(torch.zeros(spec.n_heads, 1, 1))
+
+        def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache):
+            scale = self.cfg.scale * self.log_scale.exp() / q.shape[-1] ** 0.5
+            p = ref.masked_softmax(ref.scores(q, k, scale), ref.causal_mask(q_pos, k_pos))
+            return AttnOut(ref.weighted_values(p, v, q.dtype))
+    '''
+)
+
+
+@pytest.fixture(scope="module")
+def plugin_dir(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("plugin")
+    (directory / "toy_variant.py").write_text(PLUGIN)
+    return directory
+
+
+def run_with_plugin(plugin_dir, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(plugin_dir), str(REPO)])}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "toy_variant", "-p", "no:cacheprovider", "-rA", *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+def test_the_shared_suite_and_the_presets_cover_a_registered_variant(plugin_dir):
+    proc = run_with_plugin(
+        plugin_dir,
+        "tests/attention/test_suite.py",
+        "tests/pretrain/test_presets.py",
+        "-k",
+        "toy_scaled or every",
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    passed = [line for line in proc.stdout.splitlines() if line.startswith("PASSED") and "toy_scaled" in line]
+    kinds = {"test_causality", "test_kv_cache_generation_matches_full_forward"}
+    kinds |= {"test_chunked_prefill_matches_full_forward", "test_derived_config_validates"}
+    assert "toy_scaled/default: no fast path on cpu" in proc.stdout  # collected; a reference-only variant
+    for kind in kinds:
+        assert any(kind in line for line in passed), f"{kind} did not run for the new variant:\n{proc.stdout[-3000:]}"
