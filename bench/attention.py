@@ -1,23 +1,43 @@
-"""Attention variants side by side: ``python -m bench.attention [--device cpu|cuda] [--quick]``.
+"""Attention variants side by side: ``python -m bench.attention [--lengths 4096,16384] [--dtype float32] [--json F]``.
 
-One attention layer (batch 1, 4 heads of 64), random inputs, float32. For each entry of
-``CASES`` and each length: forward time and forward+backward time, with their ratios to full
-attention at the same length. Then DGA decoding: per-token time and KV-cache size at 4K/8K/16K
-context against full attention (``DECODE_CASES``). Prints markdown tables.
+One attention layer (batch 1, 4 heads of 64; GQA off), random inputs, every registered variant in ``CASES``, side by
+side with full attention in the same run. For each length: forward time and forward+backward time (median of
+``--repeat`` runs after one warm-up), and the peak memory a forward / forward+backward adds. For each context: decode
+time per token on a KV cache filled to that context (median over ``--steps`` tokens) and the bytes the cache holds.
+Ratios divide by full attention's figure at the same length. Prints Markdown tables and writes the same figures as JSON
+(``--json``), with the date, device, command and machine load.
 
-Adding a variant is one line in ``CASES``: a label, the registered kind and its
-options. Ratios divide by the ``full`` entry's time at the same length.
+Peak memory. CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the call. CPU: the growth of the
+process's peak resident set during the call (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` before every
+call), with glibc's mmap threshold fixed at 64 KiB so that every tensor buffer is its own mapping and returns to the
+system when freed (otherwise freed heap memory would be reused without showing up). It counts what the call touches:
+outputs, temporaries, saved activations, kernel scratch; the inputs exist before the call and are not counted.
+
+Limits on CPU: a variant whose CPU path materialises T x T scores (``dense=True``) runs only while
+batch x heads x T^2 x 4 bytes stays under ``--dense-gib``; any variant is skipped at a length where its time, scaled
+quadratically from the previous length, would pass ``--max-seconds`` per run. Skips are listed, not hidden.
+
+Adding a variant is one line in ``CASES``: a label, the registered kind and its options.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import datetime
+import inspect
+import json
+import os
 import platform
+import re
+import shlex
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +45,7 @@ import torch
 from model.attention import KVCache, LayerSpec, build_attention, registry
 
 HEADS, HEAD_DIM, BATCH = 4, 64, 1
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 @dataclass
@@ -33,46 +54,42 @@ class Case:
     kind: str  # a registered attention variant
     options: dict[str, Any] = field(default_factory=dict)
     backward: bool = True  # time forward+backward too
+    dense: bool = False  # its CPU path materialises T x T scores
+    decode: bool = True  # time decoding on a KV cache
 
 
+HARD = dict(mode="hard", window=128)
 CASES: list[Case] = [
     Case("full (SDPA)", "full"),
+    Case("focal constant (t=0.4)", "focal", dict(mode="constant")),
+    Case("focal learned (query)", "focal", dict(mode="learned")),
+    Case("lazy (zeros bias)", "lazy", dense=True),
     Case("dga causal (C=128, m=16, gamma=0.1)", "dga", dict(selection="causal", chunk_size=128, group_size=16)),
-    Case("dga sequence (m=16, gamma=0.1)", "dga", dict(selection="sequence", group_size=16)),
-    Case("focus soft (K=4, w=128)", "focus", dict(n_groups=4, window=128)),
-    Case("focus hard k=1 (K=4, w=128)", "focus", dict(n_groups=4, window=128, mode="hard", top_k=1), backward=False),
-    Case("focus hard k=1 (K=8, w=128)", "focus", dict(n_groups=8, window=128, mode="hard", top_k=1), backward=False),
-    Case("focus hard k=2 (K=4, w=128)", "focus", dict(n_groups=4, window=128, mode="hard", top_k=2), backward=False),
+    Case("dga sequence (m=16, gamma=0.1)", "dga", dict(selection="sequence", group_size=16), decode=False),
+    Case("focus soft (K=4, w=128)", "focus", dict(n_groups=4, window=128), dense=True),
+    Case("focus hard k=1 (K=4, w=128)", "focus", dict(n_groups=4, top_k=1, **HARD)),
+    Case("focus hard k=1 (K=8, w=128)", "focus", dict(n_groups=8, top_k=1, **HARD)),
+    Case("focus hard k=2 (K=4, w=128)", "focus", dict(n_groups=4, top_k=2, **HARD)),
     Case(
         "prescored_hyper kmeans (top_k=1024, min_seq_len=512)",
         "prescored_hyper",
         dict(scoring="kmeans", top_k=1024, min_seq_len=512),
+        decode=False,
     ),
     Case(
         "prescored_hyper leverage (top_k=1024, min_seq_len=512)",
         "prescored_hyper",
         dict(scoring="leverage", top_k=1024, min_seq_len=512),
+        decode=False,
     ),
-]
-
-
-@dataclass
-class DecodeCase:
-    label: str
-    kind: str
-    options: dict[str, Any] = field(default_factory=dict)
-
-
-DECODE_CASES: list[DecodeCase] = [
-    DecodeCase("full (SDPA)", "full"),
-    DecodeCase("dga causal (C=128, m=16, gamma=0.1)", "dga", dict(selection="causal", chunk_size=128, group_size=16)),
 ]
 
 
 def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
     cfg = registry[kind].config_cls(**options)
     if hasattr(cfg, "validate"):
-        cfg.validate()
+        takes_prefix = len(inspect.signature(cfg.validate).parameters) > 0
+        cfg.validate(f"model.attention.{kind}.") if takes_prefix else cfg.validate()
     spec = LayerSpec(
         d_model=HEADS * HEAD_DIM,
         n_heads=HEADS,
@@ -82,25 +99,93 @@ def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
         layer_idx=0,
         n_layers=1,
     )
-    return build_attention(kind, cfg, spec).to(device, dtype)
+    return build_attention(kind, cfg, spec).to(device, dtype).eval()
 
 
-def timeit(fn: Callable[[], Any], device: str, repeat: int) -> float:
-    """Median seconds of ``repeat`` runs after one warm-up."""
+# ---- measurement ---------------------------------------------------------------------------------------------------
+def fix_malloc_for_rss() -> bool:
+    """glibc: every allocation >= 64 KiB gets its own mmap, returned to the system when freed (no dynamic threshold)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(-3, 64 * 1024))  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        return False
 
-    def sync():
-        if device == "cuda":
+
+def _status_kib(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))
+
+
+class PeakMemory:
+    """Peak bytes added during the ``with`` block (see the module docstring); ``peak`` is None where unmeasurable."""
+
+    def __init__(self, device: str):
+        self.device, self.peak = device, None
+
+    def __enter__(self):
+        if self.device == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+            return self
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current VmRSS
+            self.base = _status_kib("VmRSS") * 1024
+        except OSError:
+            self.base = None
+        return self
 
+    def __exit__(self, *exc):
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            self.peak = torch.cuda.max_memory_allocated() - self.base
+        elif self.base is not None:
+            self.peak = max(0, _status_kib("VmHWM") * 1024 - self.base)
+
+
+def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int | None]:
+    """(median seconds, median peak bytes) of ``repeat`` runs after one warm-up."""
     fn()
-    sync()
-    times = []
+    times, peaks = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        with PeakMemory(device) as mem:
+            t0 = time.perf_counter()
+            fn()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        peaks.append(mem.peak)
+    return statistics.median(times), (None if None in peaks else int(statistics.median(peaks)))
+
+
+def cache_nbytes(cache: KVCache) -> int:
+    """Bytes of every storage reachable from a layer's cache (raw keys / values and ``extra``: tensors, containers and
+    objects' attributes), each storage once: what the cache has allocated, capacity included."""
+    seen: dict[int, int] = {}
+    visited: set[int] = set()
+
+    def visit(x) -> None:
+        if isinstance(x, torch.Tensor):
+            storage = x.untyped_storage()
+            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif id(x) in visited:
+            return
+        elif isinstance(x, dict):
+            visited.add(id(x))
+            for value in x.values():
+                visit(value)
+        elif isinstance(x, list | tuple):
+            visited.add(id(x))
+            for value in x:
+                visit(value)
+        elif hasattr(x, "__dict__"):
+            visited.add(id(x))
+            visit(vars(x))
+
+    visit([cache.k, cache.v, cache.extra])
+    return sum(seen.values())
 
 
 def forward(module, q, k, v, hidden, positions) -> None:
@@ -110,144 +195,283 @@ def forward(module, q, k, v, hidden, positions) -> None:
 
 def forward_backward(module, q, k, v, hidden, positions) -> None:
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
-    module(q, k, v, hidden=hidden, positions=positions).output.sum().backward()
+    module(q, k, v, hidden=hidden, positions=positions).output.float().sum().backward()
 
 
-def bench_forward(lengths: list[int], device: str, repeat: int) -> list[dict[str, Any]]:
+def random_qkv(t: int, device: str, dtype: torch.dtype, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(BATCH, HEADS, t, HEAD_DIM, generator=g).to(device, dtype) for _ in range(3))
+    hidden = torch.randn(BATCH, t, HEADS * HEAD_DIM, generator=g).to(device, dtype)
+    return q, k, v, hidden
+
+
+class Skipper:
+    """Skips a (case, what) at a length where its quadratically scaled time would pass the budget."""
+
+    def __init__(self, max_seconds: float):
+        self.max_seconds, self.last = max_seconds, {}
+
+    def too_slow(self, key, t: int) -> float | None:
+        if key not in self.last:
+            return None
+        t0, s0 = self.last[key]
+        predicted = s0 * (t / t0) ** 2
+        return predicted if predicted > self.max_seconds else None
+
+    def record(self, key, t: int, seconds: float) -> None:
+        self.last[key] = (t, seconds)
+
+
+def focus_groups(module, q, k, v, hidden, positions) -> dict[str, float]:
+    """Largest group's share of tokens and the share of causal pairs the hard mask keeps, from one untimed call."""
+    module.collect_stats = True
+    with torch.no_grad():
+        stats = module(q, k, v, hidden=hidden, positions=positions).stats
+    module.collect_stats = False
+    return {name: float(stats[name]) for name in ("max_group_share", "pairs_kept") if name in stats}
+
+
+RATIOS = {
+    "fwd_s": "fwd_ratio",
+    "fwd_bwd_s": "fwd_bwd_ratio",
+    "fwd_peak_bytes": "fwd_peak_ratio",
+    "fwd_bwd_peak_bytes": "fwd_bwd_peak_ratio",
+}
+
+
+def bench_forward(
+    cases, lengths, device, dtype, repeat, dense_gib, max_seconds, skipped: list[str]
+) -> list[dict[str, Any]]:
     rows = []
-    dtype = torch.float32
+    skip = Skipper(max_seconds)
     for t in lengths:
-        g = torch.Generator().manual_seed(t)
-        q, k, v = (torch.randn(BATCH, HEADS, t, HEAD_DIM, generator=g).to(device, dtype) for _ in range(3))
-        hidden = torch.randn(BATCH, t, HEADS * HEAD_DIM, generator=g).to(device, dtype)
+        q, k, v, hidden = random_qkv(t, device, dtype, seed=t)
         positions = torch.arange(t, device=device)
-        base: dict[str, float] = {}
-        for case in CASES:
+        base: dict[str, Any] = {}
+        for case in cases:
+            if device == "cpu" and case.dense and BATCH * HEADS * t * t * 4 > dense_gib * 2**30:
+                skipped.append(f"{case.label} T={t}: its CPU path holds T x T scores (over --dense-gib {dense_gib})")
+                continue
+            slow = skip.too_slow((case.label, "fwd"), t) if case.kind != "full" else None
+            if slow:
+                skipped.append(f"{case.label} T={t}: forward predicted {slow:.0f} s per run (over --max-seconds)")
+                continue
             module = make(case.kind, case.options, t, device, dtype)
-
             inputs = (module, q, k, v, hidden, positions)
-            row = {"case": case.label, "T": t, "fwd": timeit(partial(forward, *inputs), device, repeat)}
-            row["fwd_bwd"] = timeit(partial(forward_backward, *inputs), device, repeat) if case.backward else None
+            row: dict[str, Any] = {"case": case.label, "kind": case.kind, "T": t}
+            try:
+                row["fwd_s"], row["fwd_peak_bytes"] = measure(partial(forward, *inputs), device, repeat)
+                skip.record((case.label, "fwd"), t, row["fwd_s"])
+                row["fwd_bwd_s"] = row["fwd_bwd_peak_bytes"] = None
+                slow = skip.too_slow((case.label, "bwd"), t) if case.kind != "full" else None
+                if case.backward and slow:
+                    skipped.append(f"{case.label} T={t}: fwd+bwd predicted {slow:.0f} s per run (over --max-seconds)")
+                elif case.backward:
+                    row["fwd_bwd_s"], row["fwd_bwd_peak_bytes"] = measure(
+                        partial(forward_backward, *inputs), device, repeat
+                    )
+                    skip.record((case.label, "bwd"), t, row["fwd_bwd_s"])
+                if case.kind == "focus" and case.options.get("mode") == "hard":
+                    row.update(focus_groups(*inputs))
+            except (RuntimeError, MemoryError) as err:  # out of memory, or a path this device lacks
+                skipped.append(f"{case.label} T={t}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                continue
+            finally:
+                del module, inputs
             if case.kind == "full":
-                base = {"fwd": row["fwd"], "fwd_bwd": row["fwd_bwd"]}
-            rows.append(
-                {
-                    **row,
-                    "fwd_ratio": row["fwd"] / base["fwd"] if base else None,
-                    "fwd_bwd_ratio": row["fwd_bwd"] / base["fwd_bwd"] if base and row["fwd_bwd"] else None,
-                }
+                base = row
+            for key, ratio in RATIOS.items():
+                row[ratio] = row[key] / base[key] if base.get(key) and row.get(key) is not None else None
+            rows.append(row)
+            peak = row["fwd_peak_bytes"]
+            print(
+                f"  {case.label} T={t}: fwd {row['fwd_s'] * 1e3:.1f} ms"
+                + (f", fwd+bwd {row['fwd_bwd_s'] * 1e3:.1f} ms" if row["fwd_bwd_s"] else "")
+                + (f", fwd peak {peak / 2**20:.1f} MiB" if peak is not None else ""),
+                flush=True,
             )
-            print(f"  {case.label} T={t}: fwd {row['fwd'] * 1e3:.1f} ms", flush=True)
     return rows
 
 
-def bench_decode(contexts: list[int], device: str, steps: int, prefill_chunk: int = 1024) -> list[dict[str, Any]]:
-    """Fill a KV cache to ``context`` tokens (chunked prefill through the variant, so DGA builds
-    its grouped cache), then time ``steps`` single-token decode calls."""
+def bench_decode(cases, contexts, device, dtype, steps, dense_gib, skipped: list[str], prefill_chunk=1024):
+    """Fill a KV cache to ``context`` tokens (chunked prefill through the variant, so caches that keep state build
+    it; full attention's cache is filled directly), then time ``steps`` single-token decode calls one by one."""
     rows = []
-    dtype = torch.float32
-    elt = torch.finfo(dtype).bits // 8
     for ctx in contexts:
-        g = torch.Generator().manual_seed(ctx)
         total = ctx + steps
-        q, k, v = (torch.randn(BATCH, HEADS, total, HEAD_DIM, generator=g).to(device, dtype) for _ in range(3))
-        hidden = torch.zeros(BATCH, 1, HEADS * HEAD_DIM, device=device, dtype=dtype)
+        q, k, v, hidden = random_qkv(total, device, dtype, seed=ctx)
         base = None
-        for case in DECODE_CASES:
+        for case in [c for c in cases if c.decode]:
+            if device == "cpu" and case.dense and BATCH * HEADS * prefill_chunk * ctx * 4 > dense_gib * 2**30:
+                skipped.append(f"{case.label} decode at {ctx}: its prefill chunks hold chunk x context scores")
+                continue
             module = make(case.kind, case.options, total, device, dtype)
             cache = KVCache(BATCH, HEADS, HEAD_DIM, total, dtype=dtype, device=device)
-            with torch.no_grad():
-                if case.kind == "full":  # full attention's prefill leaves exactly the raw keys: skip its O(L^2) work
-                    cache.append(k[:, :, :ctx], v[:, :, :ctx])
-                else:
-                    for a in range(0, ctx, prefill_chunk):
-                        b = min(ctx, a + prefill_chunk)
+            times = []
+            try:
+                with torch.no_grad():
+                    if case.kind == "full":  # its prefill leaves exactly the raw keys: skip its O(L^2) work
+                        cache.append(k[:, :, :ctx], v[:, :, :ctx])
+                    else:
+                        for a in range(0, ctx, prefill_chunk):
+                            b = min(ctx, a + prefill_chunk)
+                            module(
+                                q[:, :, a:b],
+                                k[:, :, a:b],
+                                v[:, :, a:b],
+                                hidden=hidden[:, a:b],
+                                positions=torch.arange(a, b, device=device),
+                                cache=cache,
+                            )
+                    for i in range(ctx, total):
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        t0 = time.perf_counter()
                         module(
-                            q[:, :, a:b],
-                            k[:, :, a:b],
-                            v[:, :, a:b],
-                            hidden=hidden.expand(BATCH, b - a, -1),
-                            positions=torch.arange(a, b, device=device),
+                            q[:, :, i : i + 1],
+                            k[:, :, i : i + 1],
+                            v[:, :, i : i + 1],
+                            hidden=hidden[:, i : i + 1],
+                            positions=torch.arange(i, i + 1, device=device),
                             cache=cache,
                         )
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                for i in range(ctx, total):
-                    module(
-                        q[:, :, i : i + 1],
-                        k[:, :, i : i + 1],
-                        v[:, :, i : i + 1],
-                        hidden=hidden,
-                        positions=torch.arange(i, i + 1, device=device),
-                        cache=cache,
-                    )
-                if device == "cuda":
-                    torch.cuda.synchronize()
-                per_token = (time.perf_counter() - t0) / steps
-            size = (
-                module.cache_size(cache)
-                if hasattr(module, "cache_size")
-                else {"full_kv_slots": cache.length, "dga_kv_slots": cache.length, "dga_query_slots": 0}
-            )
-            slots = size["dga_kv_slots"]
-            nbytes = (2 * slots + size["dga_query_slots"]) * BATCH * HEADS * HEAD_DIM * elt
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        times.append(time.perf_counter() - t0)
+            except (RuntimeError, MemoryError) as err:
+                skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
+                continue
             row = {
                 "case": case.label,
+                "kind": case.kind,
                 "context": ctx,
-                "ms_per_token": per_token * 1e3,
-                "kv_slots": slots,
-                "query_slots": size["dga_query_slots"],
-                "bytes": nbytes,
+                "ms_per_token": statistics.median(times) * 1e3,
+                "cache_bytes": cache_nbytes(cache),
             }
+            if hasattr(module, "cache_size"):  # DGA: key/value slots it reads against full attention's
+                row["kv_slots"] = module.cache_size(cache).get("dga_kv_slots")
             if base is None:
                 base = row
             row["time_ratio"] = row["ms_per_token"] / base["ms_per_token"]
-            row["bytes_ratio"] = row["bytes"] / base["bytes"]
+            row["cache_ratio"] = row["cache_bytes"] / base["cache_bytes"]
             rows.append(row)
-            print(f"  {case.label} context={ctx}: {row['ms_per_token']:.2f} ms/token, {slots} KV slots", flush=True)
+            print(f"  {case.label} context={ctx}: {row['ms_per_token']:.2f} ms/token", flush=True)
+            del module, cache
     return rows
 
 
-def fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None else format(x, spec)
+# ---- report --------------------------------------------------------------------------------------------------------
+def fmt(x: float | None, spec: str, scale: float = 1.0) -> str:
+    return "-" if x is None else format(x * scale, spec)
+
+
+def markdown(meta: dict[str, Any], fwd: list[dict[str, Any]], dec: list[dict[str, Any]]) -> str:
+    lines = [
+        f"- Date: {meta['date']}.",
+        f"- Device: {meta['device']}; load average (1 / 5 / 15 min) {meta['loadavg_start']} at the start, "
+        f"{meta['loadavg_end']} at the end.",
+        f"- Command: `{meta['command']}`.",
+        f"- Peak memory: {meta['memory_method']}",
+        "",
+        f"### Forward and forward+backward, one layer, batch {BATCH}, {HEADS} heads x {HEAD_DIM}, {meta['dtype']} "
+        f"(median of {meta['repeat']})",
+        "",
+        "| variant | T | fwd ms | fwd / full | fwd+bwd ms | fwd+bwd / full | fwd peak MiB | peak / full |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in fwd:
+        lines.append(
+            f"| {r['case']} | {r['T']} | {fmt(r['fwd_s'], '.1f', 1e3)} | {fmt(r['fwd_ratio'], '.2f')} | "
+            f"{fmt(r['fwd_bwd_s'], '.1f', 1e3)} | {fmt(r['fwd_bwd_ratio'], '.2f')} | "
+            f"{fmt(r['fwd_peak_bytes'], '.1f', 2**-20)} | {fmt(r['fwd_peak_ratio'], '.2f')} |"
+        )
+    groups = [r for r in fwd if "max_group_share" in r]
+    if groups:
+        lines += ["", "Focus hard groups in these runs (random inputs, untrained centroids):", ""]
+        lines += ["| variant | T | largest group share | causal pairs kept |", "|---|---:|---:|---:|"]
+        for r in groups:
+            lines.append(f"| {r['case']} | {r['T']} | {r['max_group_share']:.3f} | {r.get('pairs_kept', 0):.3f} |")
+    if dec:
+        lines += [
+            "",
+            f"### Decode: one token on a KV cache of the given context (median of {meta['steps']} tokens)",
+            "",
+            "| variant | context | ms / token | time / full | cache MiB (allocated) | cache / full |",
+            "|---|---:|---:|---:|---:|---:|",
+        ]
+        for r in dec:
+            lines.append(
+                f"| {r['case']} | {r['context']} | {r['ms_per_token']:.2f} | {r['time_ratio']:.2f} | "
+                f"{r['cache_bytes'] / 2**20:.2f} | {r['cache_ratio']:.3f} |"
+            )
+    if meta["skipped"]:
+        lines += ["", "Skipped:", ""] + [f"- {s}" for s in meta["skipped"]]
+    return "\n".join(lines)
+
+
+def parse_ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="short lengths and contexts (a smoke run)")
+    parser.add_argument("--lengths", type=parse_ints, default=None, help="comma-separated (default 1024,4096,16384)")
+    parser.add_argument("--contexts", type=parse_ints, default=None, help="decode contexts (default 4096,16384)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="float32 on CPU, bfloat16 on CUDA")
+    parser.add_argument(
+        "--cases", default="", help="only cases whose label contains one of these comma-separated words"
+    )
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=32, help="decode tokens timed per context")
+    parser.add_argument("--dense-gib", type=float, default=1.0, help="CPU: largest T x T score tensor a case may hold")
+    parser.add_argument("--max-seconds", type=float, default=60.0, help="skip a run predicted to take longer")
+    parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
+    parser.add_argument("--quick", action="store_true", help="a smoke run: T 256 and 512, contexts 512, 1 repeat")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
-    lengths = [256, 512] if args.quick else [1024, 2048, 4096]
-    contexts = [1024, 2048] if args.quick else [4096, 8192, 16384]
-    repeat, steps = (1, 8) if args.quick else (3, 32)
+    dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
+    lengths = args.lengths or ([256, 512] if args.quick else [1024, 4096, 16384])
+    contexts = [] if args.no_decode else (args.contexts or ([512] if args.quick else [4096, 16384]))
+    repeat, steps = (1, 4) if args.quick else (args.repeat, args.steps)
+    words = [w.strip() for w in args.cases.split(",") if w.strip()]
+    cases = [c for c in CASES if c.kind == "full" or not words or any(w in c.label for w in words)]
+    measured = fix_malloc_for_rss() if args.device == "cpu" else True
     torch.manual_seed(0)
-    print(
-        f"# bench.attention on {args.device} ({platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.get_num_threads()} threads)",
-        flush=True,
-    )
-    fwd = bench_forward(lengths, args.device, repeat)
-    dec = bench_decode(contexts, args.device, steps)
-    print(
-        f"\n## Forward and forward+backward, one layer, batch {BATCH}, {HEADS} heads x {HEAD_DIM}, float32 (median of {repeat})\n"
-    )
-    print("| variant | T | fwd ms | fwd / full | fwd+bwd ms | fwd+bwd / full |")
-    print("|---|---:|---:|---:|---:|---:|")
-    for r in fwd:
-        print(
-            f"| {r['case']} | {r['T']} | {r['fwd'] * 1e3:.1f} | {fmt(r['fwd_ratio'], '.2f')} | {fmt(r['fwd_bwd'] and r['fwd_bwd'] * 1e3, '.1f')} | {fmt(r['fwd_bwd_ratio'], '.2f')} |"
-        )
-    print(f"\n## Decode: one token on a KV cache of the given context (mean of {steps} tokens)\n")
-    print(
-        "| variant | context | ms / token | time / full | KV slots per head | queries held | cache MiB | cache / full |"
-    )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in dec:
-        print(
-            f"| {r['case']} | {r['context']} | {r['ms_per_token']:.2f} | {r['time_ratio']:.2f} | {r['kv_slots']} | {r['query_slots']} | {r['bytes'] / 2**20:.2f} | {r['bytes_ratio']:.3f} |"
-        )
+    cpu = platform.processor() or platform.machine()
+    device = (
+        torch.cuda.get_device_name() if args.device == "cuda" else f"{cpu}, {os.cpu_count()} cores"
+    ) + f", torch {torch.__version__}, {torch.get_num_threads()} threads"
+    meta: dict[str, Any] = {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "command": "python -m bench.attention " + shlex.join(sys.argv[1:] if argv is None else argv),
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": BATCH,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "repeat": repeat,
+        "steps": steps,
+        "loadavg_start": " / ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "memory_method": (
+            "torch.cuda.max_memory_allocated growth during the call"
+            if args.device == "cuda"
+            else "growth of the process's peak RSS (VmHWM, reset via /proc/self/clear_refs) during the call, glibc "
+            "mmap threshold fixed at 64 KiB" + ("" if measured else " (mallopt failed: freed memory may be reused)")
+        ),
+        "skipped": [],
+    }
+    print(f"# bench.attention on {device}", flush=True)
+    fwd = bench_forward(cases, lengths, args.device, dtype, repeat, args.dense_gib, args.max_seconds, meta["skipped"])
+    dec = bench_decode(cases, contexts, args.device, dtype, steps, args.dense_gib, meta["skipped"]) if contexts else []
+    meta["loadavg_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+    print("\n" + markdown(meta, fwd, dec))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({**meta, "forward": fwd, "decode": dec}, indent=1) + "\n")
+        print(f"\nwrote {args.json}")
 
 
 if __name__ == "__main__":

@@ -47,6 +47,8 @@ from model.attention.flex import cached_block_mask, flex_attention_fn
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 MASK_ELEMENTS = 1 << 20  # entries of one additive mask chunk (4 MiB in float32)
+CLASS_LEVELS = (1024, 128)  # query chunk sizes of the class split's staircase (see HardPlan._class_parts)
+CLASS_LIMIT = 4  # class split while the distinct memberships per sequence are at most CLASS_LIMIT * K
 NEG_INF = float("-inf")
 
 
@@ -62,13 +64,56 @@ class _Rows:
         self.b, self.idx = b, idx
 
     def take(self, x: Tensor) -> Tensor:
-        return x[self.b].index_select(1, self.idx).unsqueeze(0)
+        return x[self.b][:, self.idx].unsqueeze(0)  # advanced indexing: no copy of a strided (cache) view first
 
     def put(self, dst: Tensor, val: Tensor) -> None:
         dst[self.b].index_copy_(1, self.idx, val[0].to(dst.dtype))
 
     def add(self, dst: Tensor, val: Tensor) -> None:
         dst[self.b].index_add_(1, self.idx, val[0].to(dst.dtype))
+
+
+class _Gathered:
+    """Rows ``idx`` of sequence ``b`` gathered once per source tensor, shared by the parts that read slices of them
+    (``part``); gradients into them accumulate in a gathered buffer that ``flush`` scatters back."""
+
+    def __init__(self, b: int, idx: Tensor):
+        self.b, self.idx = b, idx
+        self._rows: dict[int, Tensor] = {}
+        self._grads: dict[int, tuple[Tensor, Tensor]] = {}
+
+    def rows(self, x: Tensor) -> Tensor:
+        if id(x) not in self._rows:
+            self._rows[id(x)] = x[self.b][:, self.idx].unsqueeze(0)
+        return self._rows[id(x)]
+
+    def grad(self, dst: Tensor) -> Tensor:
+        if id(dst) not in self._grads:
+            shape = (1, dst.shape[1], self.idx.numel(), *dst.shape[3:])
+            self._grads[id(dst)] = (dst, torch.zeros(shape, dtype=dst.dtype, device=dst.device))
+        return self._grads[id(dst)][1]
+
+    def part(self, lo: int, hi: int) -> _Slice:
+        return _Slice(self, lo, hi)
+
+    def flush(self) -> None:
+        for dst, buf in self._grads.values():
+            dst[self.b].index_add_(1, self.idx, buf[0])
+        self._grads.clear()
+        self._rows.clear()
+
+
+class _Slice:
+    """Rows [lo, hi) of a ``_Gathered`` set (keys only: reads come from the shared gather)."""
+
+    def __init__(self, base: _Gathered, lo: int, hi: int):
+        self.base, self.lo, self.hi = base, lo, hi
+
+    def take(self, x: Tensor) -> Tensor:
+        return self.base.rows(x)[:, :, self.lo : self.hi]
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        self.base.grad(dst)[:, :, self.lo : self.hi] += val.to(dst.dtype)
 
 
 class _Range:
@@ -104,19 +149,19 @@ class _Blocks:
 
 
 class _Windows:
-    """``n`` windows of ``2 w`` rows starting at ``start + j w`` (j < n) of sequence ``b``: [n, H, 2w, D], an
-    overlapping view. Gradients add as two non-overlapping block views (each window's halves)."""
+    """``n`` windows of ``size`` rows starting at ``start + j step`` (j < n) of sequence ``b``: [n, H, size, D], an
+    overlapping view. ``size`` is a multiple of ``step``; gradients add as size / step non-overlapping block views."""
 
-    def __init__(self, b: int, start: int, n: int, w: int):
-        self.b, self.start, self.n, self.w = b, start, n, w
+    def __init__(self, b: int, start: int, n: int, step: int, size: int):
+        self.b, self.start, self.n, self.step, self.size = b, start, n, step, size
 
     def take(self, x: Tensor) -> Tensor:
-        span = x[self.b, :, self.start : self.start + (self.n + 1) * self.w]
-        return span.unfold(1, 2 * self.w, self.w).permute(1, 0, 3, 2)
+        span = x[self.b, :, self.start : self.start + (self.n - 1) * self.step + self.size]
+        return span.unfold(1, self.size, self.step).permute(1, 0, 3, 2)
 
     def add(self, dst: Tensor, val: Tensor) -> None:
-        _Blocks(self.b, self.start, self.n, self.w).add(dst, val[:, :, : self.w])
-        _Blocks(self.b, self.start + self.w, self.n, self.w).add(dst, val[:, :, self.w :])
+        for i in range(0, self.size, self.step):
+            _Blocks(self.b, self.start + i, self.n, self.step).add(dst, val[:, :, i : i + self.step])
 
 
 @dataclass
@@ -130,25 +175,92 @@ class _Part:
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, NEG_INF)
+    zero = torch.zeros((), dtype=dtype, device=allowed.device)
+    return torch.where(allowed, zero, torch.full_like(zero, NEG_INF))
+
+
+def _narrow(bits: Tensor, n_groups: int) -> Tensor:
+    """Bitmasks in the narrowest integer type that holds them (the masks' bitwise work is memory-bound)."""
+    for dtype, limit in ((torch.int8, 7), (torch.int16, 15), (torch.int32, 31)):
+        if n_groups <= limit:
+            return bits.to(dtype)
+    return bits
 
 
 # ---- the plan: the disjoint parts of one call ------------------------------------------------------------------
 class HardPlan:
     """The parts of the hard mask for queries at positions [start, start + Tq) over keys [0, start + Tq)."""
 
-    def __init__(self, bits_q: Tensor, bits_k: Tensor, *, start: int, window: int, n_groups: int, top_k: int):
+    def __init__(
+        self,
+        bits_q: Tensor,
+        bits_k: Tensor,
+        *,
+        start: int,
+        window: int,
+        n_groups: int,
+        top_k: int,
+        split: str = "auto",
+    ):
         self.bits_q, self.bits_k = bits_q, bits_k
         self.start, self.window, self.n_groups, self.top_k = start, window, n_groups, top_k
         self.tq, self.tk = bits_q.shape[1], bits_k.shape[1]
         if self.start + self.tq != self.tk:
             raise ValueError(f"queries at [{start}, {start + self.tq}) must end the {self.tk} keys")
+        # top_k > 1: split by query class unless there are so many classes that gathering keys per class costs more
+        # than the lowest-shared-group split's de-duplication masks
+        self.split = split
+        if split == "auto":
+            n_classes = max(int(torch.unique(row).numel()) for row in bits_q) if bits_q.numel() else 0
+            self.split = "class" if n_classes <= CLASS_LIMIT * n_groups else "group"
+        self.bits_q, self.bits_k = _narrow(bits_q, n_groups), _narrow(bits_k, n_groups)
 
     def parts(self, dtype: torch.dtype) -> Iterator[_Part]:
         for b in range(self.bits_q.shape[0]):
-            yield from self._group_parts(b, dtype)
+            if self.split == "class" and (self.top_k > 1 or self.start > 0):
+                yield from self._class_parts(b, dtype)
+            else:
+                yield from self._group_parts(b, dtype)
         for b in range(self.bits_q.shape[0]):
             yield from self._band_parts(b, dtype)
+
+    def _class_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
+        """The queries of one membership class X attend, causally and at any distance, every key that shares a group
+        with X. A query has one class, so these parts are disjoint with no de-duplication masks.
+
+        Keys are gathered once per class (position order). Queries go in chunks of CLASS_LEVELS[0]; a chunk reads
+        the keys before its first query unmasked, and the rest (the staircase up to its last query) is split the
+        same way into chunks of the next level, down to a causal-masked strip of the last level's size. Big chunks
+        keep the kernel efficient; small last-level chunks keep the masked strips short."""
+        bq, bk = self.bits_q[b], self.bits_k[b]
+        for x in torch.unique(bq).tolist():
+            iq = torch.nonzero(bq == x).squeeze(1)
+            ik = torch.nonzero(bk & x).squeeze(1)  # position order
+            q_pos = iq + self.start
+            starts = torch.searchsorted(ik, q_pos).tolist()  # keys before each query
+            ends = torch.searchsorted(ik, q_pos, right=True).tolist()  # keys at or before each query
+            yield from self._staircase(b, iq, ik, q_pos, _Gathered(b, ik), starts, ends, 0, iq.numel(), 0, 0, dtype)
+
+    def _staircase(self, b, iq, ik, q_pos, keys, starts, ends, lo, hi, k_lo, level, dtype) -> Iterator[_Part]:
+        """Queries [lo, hi) of a class over keys from ``k_lo`` on (the keys before ``k_lo`` are done)."""
+        size = CLASS_LEVELS[level]
+        for a in range(lo, hi, size):
+            e = min(a + size, hi)
+            rows, n_pre = _Rows(b, iq[a:e]), max(k_lo, starts[a])
+            if n_pre > k_lo:
+                yield _Part(rows, keys.part(k_lo, n_pre), causal=False)
+            if level + 1 < len(CLASS_LEVELS) and e - a > CLASS_LEVELS[level + 1]:
+                yield from self._staircase(b, iq, ik, q_pos, keys, starts, ends, a, e, n_pre, level + 1, dtype)
+                continue
+            n_end = ends[e - 1]
+            allowed = ik[None, n_pre:n_end] <= q_pos[a:e, None]
+            yield _Part(
+                rows,
+                keys.part(n_pre, n_end),
+                causal=False,
+                mask=_additive(allowed, dtype)[None, None],
+                nonempty=allowed.any(-1)[None, None],
+            )
 
     def _group_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
         aligned = self.start == 0  # queries == keys: sorted order is causal order for both
@@ -190,31 +302,35 @@ class HardPlan:
                 )
 
     def _band_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
-        """Pairs with i - j < w sharing no group: blocks of w queries against the 2w keys before their ends."""
+        """Pairs with i - j < w sharing no group: blocks of ``bs`` queries against the w + bs keys ending with them
+        (strided views), ``bs`` a divisor of w; the first queries (keys before position 0) and a partial last block
+        as plain ranges."""
         w, p0, tq = self.window, self.start, self.tq
+        bs = band_block(w)
         bq, bk = self.bits_q[b], self.bits_k[b]
-        n_full = tq // w
-        first = 0 if p0 >= w else 1  # block j reads keys from p0 + (j - 1) w, which must be >= 0
-        ranges = [(0, w)] if first == 1 and n_full >= 1 else []
+        first = max(0, -((p0 - w) // bs))  # block j reads keys from p0 + j bs - w, which must be >= 0
+        n_full = tq // bs
+        ranges = [(0, min(first * bs, tq))] if first > 0 else []
         if n_full > first:
-            r = torch.arange(w, device=bq.device)
-            s = torch.arange(2 * w, device=bq.device)
-            local = (s[None, :] > r[:, None]) & (s[None, :] <= r[:, None] + w)  # key p0+(j-1)w+s for query p0+jw+r
-            per_chunk = max(1, MASK_ELEMENTS // (2 * w * w))
+            r = torch.arange(bs, device=bq.device)
+            s = torch.arange(bs + w, device=bq.device)
+            local = (s[None, :] > r[:, None]) & (s[None, :] <= r[:, None] + w)  # key p0+j bs-w+s, query p0+j bs+r
+            per_chunk = max(1, MASK_ELEMENTS // (bs * (bs + w)))
             for j in range(first, n_full, per_chunk):
                 n = min(per_chunk, n_full - j)
-                qbits = bq[j * w : (j + n) * w].view(n, w)
-                kbits = bk[p0 + (j - 1) * w : p0 + (j + n) * w].unfold(0, 2 * w, w)  # [n, 2w]
+                qbits = bq[j * bs : (j + n) * bs].view(n, bs)
+                k0 = p0 + j * bs - w
+                kbits = bk[k0 : k0 + (n - 1) * bs + bs + w].unfold(0, bs + w, bs)  # [n, bs + w]
                 allowed = local & ((qbits[:, :, None] & kbits[:, None, :]) == 0)
                 yield _Part(
-                    _Blocks(b, j * w, n, w),
-                    _Windows(b, p0 + (j - 1) * w, n, w),
+                    _Blocks(b, j * bs, n, bs),
+                    _Windows(b, k0, n, bs, bs + w),
                     causal=False,
                     mask=_additive(allowed, dtype)[:, None],
                     nonempty=allowed.any(-1)[:, None],
                 )
-        if n_full * w < tq:
-            ranges.append((n_full * w, tq))
+        if max(n_full, first) * bs < tq:
+            ranges.append((max(n_full, first) * bs, tq))
         for lo, hi in ranges:
             k_lo, k_hi = max(0, p0 + lo - w + 1), p0 + hi
             q_pos = torch.arange(p0 + lo, p0 + hi, device=bq.device)
@@ -229,14 +345,28 @@ class HardPlan:
             )
 
 
+BAND_BLOCK = 64
+
+
+def band_block(window: int) -> int:
+    """Query block of the band: the largest divisor of ``window`` up to BAND_BLOCK (keys read per query block:
+    window + block, so a smaller block wastes less; too small a block starves the kernel)."""
+    return max(d for d in range(1, min(window, BAND_BLOCK) + 1) if window % d == 0)
+
+
 # ---- forward, backward, merge ------------------------------------------------------------------------------------
 def _merge(sel, out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
+    """Fold one part's (output, logsumexp) into the running ones, in place where the selector is a view."""
     cur = sel.take(lse)
     new = torch.logaddexp(cur, lse_part)
     ref = new.masked_fill(new == NEG_INF, 0.0)  # rows with nothing yet stay at zero
-    acc = sel.take(out) * torch.exp(cur - ref)[..., None] + o * torch.exp(lse_part - ref)[..., None]
-    sel.put(out, acc)
-    sel.put(lse, new)
+    acc = sel.take(out)
+    acc.mul_(torch.exp(cur - ref)[..., None]).addcmul_(o, torch.exp(lse_part - ref)[..., None])
+    if isinstance(sel, _Rows):  # a gathered copy: write back
+        sel.put(out, acc)
+        sel.put(lse, new)
+    else:
+        cur.copy_(new)
 
 
 def _forward(q: Tensor, k: Tensor, v: Tensor, plan: HardPlan, scale: float) -> tuple[Tensor, Tensor]:
@@ -265,7 +395,12 @@ def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Te
     dv = torch.zeros(v.shape, dtype=cdt, device=v.device)
     dout, out_q = dout.to(q.dtype), out.to(q.dtype)
     lse = lse.to(torch.promote_types(q.dtype, torch.float32))
+    shared = None  # the gathered key set the last parts read: scatter its gradients when the parts move on
     for part in plan.parts(q.dtype):
+        base = part.k.base if isinstance(part.k, _Slice) else None
+        if shared is not None and base is not shared:
+            shared.flush()
+        shared = base
         gq, gk, gv = _BWD(
             part.q.take(dout),
             part.q.take(q),
@@ -281,6 +416,8 @@ def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Te
         part.q.add(dq, gq)
         part.k.add(dk, gk)
         part.k.add(dv, gv)
+    if shared is not None:
+        shared.flush()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -309,14 +446,19 @@ def cpu_hard_attention(
     scale: float,
     n_groups: int,
     top_k: int,
+    split: str = "auto",
 ) -> Tensor:
     """Exact hard-mode attention on the fused CPU kernel, with gradients.
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] (GQA: H a multiple of Hkv); the queries are the last Tq of the Tk tokens
     (training and prefill: Tq == Tk; chunked prefill and decode onto a cache). bits_q [B, Tq], bits_k [B, Tk]: group
-    membership bitmasks. Returns [B, H, Tq, D] in q's dtype.
+    membership bitmasks. ``split``: how the group parts are made disjoint for top_k > 1 (or a chunk onto a cache):
+    ``class`` (per query membership class), ``group`` (each pair in its lowest shared group), ``auto`` (class unless
+    there are more than CLASS_LIMIT * K classes). Returns [B, H, Tq, D] in q's dtype.
     """
-    plan = HardPlan(bits_q, bits_k, start=k.shape[2] - q.shape[2], window=window, n_groups=n_groups, top_k=top_k)
+    plan = HardPlan(
+        bits_q, bits_k, start=k.shape[2] - q.shape[2], window=window, n_groups=n_groups, top_k=top_k, split=split
+    )
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return _HardAttention.apply(q, k, v, plan, scale)
     return _forward(q, k, v, plan, scale)[0].to(q.dtype)
@@ -383,7 +525,7 @@ def decode_hard_attention(
                 idx = idx[(bits_k[b, idx] & lower) == 0]
             far.append(idx)
         keys = torch.cat([*far, near])
-        kb, vb = k[b].index_select(1, keys)[None], v[b].index_select(1, keys)[None]
+        kb, vb = k[b][:, keys][None], v[b][:, keys][None]  # (index_select would copy the strided cache view)
         outs.append(
             F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1])
         )
