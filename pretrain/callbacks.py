@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from core.files import atomic_write_text
 from pretrain.loggers import format_duration
@@ -20,8 +20,8 @@ from pretrain.metrics import memory_gib
 from pretrain.signals import PREEMPTED_MARKER
 from run.config import RunConfig
 
-if TYPE_CHECKING:
-    from pretrain.loop import Trainer
+# pretrain.loop.Trainer, which imports this module (the layering contract forbids the cycle even for types)
+Trainer = Any
 
 
 class Callback:
