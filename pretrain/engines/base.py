@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -53,18 +53,29 @@ class Engine:
     grad_average_ranks = 1
 
     def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
+        """The one set-up every engine goes through; engines change it by overriding the hooks below."""
         self.cfg = cfg
         self.device = device
         self.raw_model = model
-        self.amp_dtype = autocast_dtype(cfg.precision, device)
+        self.amp_dtype = self.autocast_dtype()
         prepare_blocks(model, cfg)
         self.wrapped = self.wrap(model)  # DDP / FSDP2 wrapping happens before the optimizer sees the parameters
         self.model: nn.Module = self.wrapped
-        self.optimizer = build_optimizer(model, cfg, device)
-        self.scheduler = build_scheduler(self.optimizer, cfg)
+        self.optimizer, self.scheduler = self.make_optimizer(model)
+
+    # ---- set-up hooks -----------------------------------------------------------------
+    def autocast_dtype(self) -> torch.dtype | None:
+        """The forward's autocast dtype; None = none (full fp32, or the engine casts itself)."""
+        return autocast_dtype(self.cfg.precision, self.device)
 
     def wrap(self, model: Transformer) -> nn.Module:
+        """The module the forward runs through (DDP, FSDP2 ...); the raw model by default."""
         return model
+
+    def make_optimizer(self, model: Transformer) -> tuple[Any, Any]:
+        """(optimizer, LR scheduler) over the (wrapped) model's parameters."""
+        optimizer = build_optimizer(model, self.cfg, self.device)
+        return optimizer, build_scheduler(optimizer, self.cfg)
 
     @property
     def is_main(self) -> bool:

@@ -22,9 +22,8 @@ from torch import Tensor
 
 from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
-from pretrain.engines.base import MicroStepOut, prepare_blocks
+from pretrain.engines.base import MicroStepOut
 from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine
-from pretrain.optim import build_optimizer, build_scheduler
 
 if TYPE_CHECKING:
     from run.config import TrainConfig
@@ -65,28 +64,27 @@ class DeepSpeedEngine(DataParallelEngine):
     name = "deepspeed"
 
     def __init__(self, model, cfg: TrainConfig, device: torch.device):
-        import deepspeed
-
-        if not dist.is_initialized():
-            raise ConfigError(
-                "train.engine: deepspeed needs the process group (start it with torchrun or the deepspeed launcher)"
-            )
         if cfg.compile:
             raise ConfigError(
                 "train.compile: not supported with train.engine=deepspeed here; use fsdp2 for torch.compile"
             )
-        self.cfg, self.device, self.raw_model = cfg, device, model
-        prepare_blocks(model, cfg)
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and device.type == "cuda")
-        self.amp_dtype = None  # DeepSpeed casts the model itself when bf16 is on
-        optimizer = build_optimizer(model, cfg, device)
-        self.scheduler = build_scheduler(optimizer, cfg)
-        self.ds, self.optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=deepspeed_config(cfg, self.world_size, bf16)
+        self._micro = 0
+        super().__init__(model, cfg, device)
+
+    def autocast_dtype(self) -> torch.dtype | None:
+        return None  # DeepSpeed casts the model itself when bf16 is on
+
+    def make_optimizer(self, model) -> tuple[Any, Any]:
+        """DeepSpeed wraps model and optimizer together: the wrapped module is set here."""
+        import deepspeed
+
+        optimizer, scheduler = super().make_optimizer(model)
+        bf16 = self.cfg.precision == "bf16" or (self.cfg.precision == "auto" and self.device.type == "cuda")
+        self.ds, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=deepspeed_config(self.cfg, self.world_size, bf16)
         )
         self.wrapped = self.model = self.ds
-        self._micro = 0
+        return ds_optimizer, scheduler
 
     def micro_step(
         self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool
@@ -121,13 +119,15 @@ class DeepSpeedEngine(DataParallelEngine):
             if self.cfg.options("deepspeed").zero_stage == 0:
                 full = {k: v.detach().float().cpu() for k, v in self.raw_model.state_dict().items()}
             else:
-                from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+                from run.safe_load import zero_state_dict
 
-                full = get_fp32_state_dict_from_zero_checkpoint(str(directory), tag=DS_TAG)
+                full = zero_state_dict(directory, DS_TAG)
             save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
             torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:
+        from run.safe_load import check_deepspeed_files, deepspeed_globals, torch_load, weights_only_loads
+
         if not (directory / DS_TAG).is_dir():
             raise ConfigError(
                 f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the "
@@ -139,7 +139,37 @@ class DeepSpeedEngine(DataParallelEngine):
                 f"train.engine: the deepspeed checkpoint {directory} was written by {len(saved)} ranks; resume it with "
                 "the same world size"
             )
-        path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
+        if self.ds.load_universal_checkpoint():
+            raise ConfigError(
+                "train.deepspeed_config: checkpoint.load_universal is not supported (DeepSpeed reads universal "
+                "checkpoints with weights_only=False)"
+            )
+        # DeepSpeed loads with weights_only=False: every file is checked on every rank first (one line naming a
+        # refused file, on all ranks alike), then loaded through the allow-list, whoever calls torch.load
+        check_deepspeed_files(directory / DS_TAG)
+        engine = self.ds.checkpoint_engine
+        self.ds.checkpoint_engine = _SafeCheckpointLoads(engine, deepspeed_globals())
+        try:
+            with weights_only_loads(deepspeed_globals()):
+                path, _ = self.ds.load_checkpoint(str(directory), tag=DS_TAG, load_lr_scheduler_states=False)
+        finally:
+            self.ds.checkpoint_engine = engine
         if path is None:
             raise ConfigError(f"train.engine: deepspeed could not load {directory}")
-        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+        self.scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
+
+
+class _SafeCheckpointLoads:
+    """DeepSpeed's checkpoint engine with ``load`` through ``run.safe_load.torch_load`` (its own passes
+    ``weights_only=False``); everything else is the wrapped engine's."""
+
+    def __init__(self, engine: Any, allow: list[Any]):
+        self._engine, self._allow = engine, allow
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        from run.safe_load import torch_load
+
+        return torch_load(path, map_location=map_location, allow=self._allow)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
