@@ -153,6 +153,11 @@ def to_dict(obj: Any) -> dict[str, Any]:
     return out
 
 
+def add_set_argument(parser: Any, help: str = "dotted override, repeatable: --set train.max_steps=200") -> None:
+    """The ``--set KEY=VALUE`` option every CLI shares (collected into ``args.overrides``)."""
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help=help)
+
+
 def parse_value(raw: str) -> Any:
     """A ``--set`` value: a TOML literal when it parses (7, 0.1, true, "x", [1, 2]), else the raw string."""
     try:

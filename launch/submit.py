@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+from core import configlib
 from core.errors import ConfigError
 from core.files import atomic_write_text
 
@@ -33,9 +34,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         prog="python -m launch.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--config", required=True, help="TOML run config")
-    p.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE", help="dotted override, repeatable"
-    )
+    configlib.add_set_argument(p, "dotted override, repeatable")
     p.add_argument("--nodes", type=int, required=True)
     p.add_argument(
         "--gpus-per-node", type=int, required=True, help="GPUs per node; 0 runs on CPUs (see --procs-per-node)"

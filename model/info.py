@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from core import configlib
 from core.configlib import apply_override
 from core.errors import ConfigError
 from model.config import model_config_from_dict
@@ -57,14 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m model.info", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     p.add_argument("--preset", default="", help="preset name (tiny, gpt2-124m, ..., llama-7b)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="model field override, e.g. --set n_layers=2",
-    )
+    configlib.add_set_argument(p, "model field override, e.g. --set n_layers=2")
     p.add_argument("--seq-len", type=int, default=0, help="context length for FLOPs and memory (default: max_seq_len)")
     p.add_argument("--micro-batch", type=int, default=1, help="sequences per forward for the memory estimate")
     p.add_argument("--json", action="store_true", help="print one JSON object")

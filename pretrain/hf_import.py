@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from core import configlib
 from core.errors import ConfigError
 
 IMPORT_DIR = "hf_import"
@@ -54,7 +55,6 @@ def run_config(
 ):
     """The run's config: ``base_config`` (or the defaults), the imported model, the import as tokenizer and
     initial weights, then ``overrides``."""
-    from core import configlib
     from run.config import load_run_config, run_config_from_dict
 
     data = load_run_config(base_config, validate=False).to_dict()
@@ -177,14 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--hf", required=True, help="local Hugging Face model directory (config.json + weights)")
     p.add_argument("--out", required=True, help="run directory to create")
     p.add_argument("--config", help="base TOML run config (data, train, ... settings); the model comes from --hf")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted config override, repeatable (train.max_steps=100)",
-    )
+    configlib.add_set_argument(p, "dotted config override, repeatable (train.max_steps=100)")
     p.add_argument("--tokenizer", help="tokenizer file or folder, if not in the --hf directory")
     p.add_argument("--no-start", action="store_true", help="write the import and config.toml only (no step 0)")
     args = p.parse_args(argv)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from core import configlib
 from core.errors import ConfigError
 from run.config import load_run_config
 
@@ -12,14 +13,7 @@ from run.config import load_run_config
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__)
     p.add_argument("--config", help="TOML run config (see launch/configs/)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="dotted override, repeatable: --set train.max_steps=200",
-    )
+    configlib.add_set_argument(p, "dotted override, repeatable: --set train.max_steps=200")
     p.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved and exit")
     p.add_argument(
         "--print",

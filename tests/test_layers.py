@@ -42,18 +42,18 @@ def test_layer_contracts_hold():
     assert "0 broken" in proc.stdout
 
 
-def test_an_upward_import_breaks_the_layers(tree_copy):
+@pytest.mark.parametrize(
+    "planted,contract,report",
+    [
+        ("from pretrain import loop", "layers import only downward", "model.config -> pretrain.loop"),
+        ("from model import transformer", "no import cycles inside a package", ".config -> .transformer"),
+    ],
+    ids=["upward-import", "cycle-in-package"],
+)
+def test_a_planted_break_fails_its_contract(tree_copy, planted, contract, report):
     target = tree_copy / "model" / "config.py"
-    target.write_text(target.read_text() + "\nfrom pretrain import loop  # planted: model reaching up\n")
+    target.write_text(target.read_text() + f"\n{planted}  # planted\n")
     proc = lint(tree_copy)
     assert proc.returncode != 0
-    assert "layers import only downward BROKEN" in proc.stdout
-    assert "model.config -> pretrain.loop" in proc.stdout
-
-
-def test_a_cycle_inside_a_package_breaks_the_contract(tree_copy):
-    target = tree_copy / "model" / "config.py"
-    target.write_text(target.read_text() + "\nfrom model import transformer  # planted: config <-> transformer\n")
-    proc = lint(tree_copy)
-    assert proc.returncode != 0
-    assert "no import cycles inside a package BROKEN" in proc.stdout
+    assert f"{contract} BROKEN" in proc.stdout
+    assert report in proc.stdout

@@ -32,15 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from model.attention import reference as ref
-from model.attention.base import (
-    Attention,
-    AttnOut,
-    KVCache,
-    LayerSpec,
-    SuiteCase,
-    VariantConfig,
-    register_attention,
-)
+from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_available
 from model.attention.focus_hard import (
     GroupLists,
