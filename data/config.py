@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from core.errors import ConfigError, check_choice, check_min, check_range
+from data.stream_config import WEIGHTINGS, StreamConfig
 
 HUB = ("slimpajama", "fineweb-edu", "openwebtext", "pg19")  # streamed with `datasets` (data/stream_sources.py)
 SOURCES = ("embedded", "local", "prepared", *HUB, "mixture")
@@ -18,9 +19,9 @@ class MixtureEntry:
     """One ``[[data.mixture]]`` table: a named hub source (with ``name`` = its config) or local files."""
 
     source: str = "local"  # slimpajama | fineweb-edu | openwebtext | pg19 | local
-    path: str = ""  # local: a file, folder or glob of one file type
+    path: str = ""  # local: a file, folder or glob of one file type; a named source: a local mirror of its hub repo
     name: str = ""  # hub config, e.g. sample-10BT ("" = the source's default)
-    weight: float = 1.0  # relative share of documents drawn
+    weight: float = 1.0  # relative share of tokens (data.mixture_weighting = tokens) or of documents drawn
 
     def key(self) -> str:
         """The source key data.streaming understands: a local path, or name[:config]."""
@@ -37,9 +38,9 @@ class DataConfig:
     # embedded | local (read whole, indexable) | prepared (data.prepare shards in data.path) |
     # slimpajama | fineweb-edu | openwebtext | pg19 (streamed from the hub) | mixture (data.mixture)
     source: str = "embedded"
-    path: str = (
-        ""  # local: a file, a folder (recursive) or a glob of .txt / .jsonl / .parquet; prepared: the shard directory
-    )
+    # local: a file, a folder (recursive) or a glob of .txt / .jsonl / .parquet; prepared: the shard directory;
+    # a named hub source: "" (stream from the hub) or a local folder mirroring the hub repo (docs/data.md)
+    path: str = ""
     seq_len: int = 256
     tokenizer: str = (
         "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json | HF folder
@@ -55,6 +56,7 @@ class DataConfig:
     shuffle_window: int = 1024  # documents shuffled together (restorable exactly); 0 = source order
     num_workers: int = 2  # loader worker processes per rank (tokenisation happens there)
     mixture: list[MixtureEntry] = field(default_factory=list)  # [[data.mixture]] tables, with data.source = "mixture"
+    mixture_weighting: str = "tokens"  # a mixture weight is a share of tokens | documents (data/mixture.py)
     val_path: str = ""  # streamed runs: local held-out files for validation ("" = no validation loss)
     tokenizer_sample_docs: int = 2000  # streamed runs with tokenizer = "train": documents it is trained on
     # attention stays within each packed document (EOS ends one) and positions restart per document
@@ -64,10 +66,8 @@ class DataConfig:
     def is_streaming(self) -> bool:
         return self.source in HUB or self.source == "mixture" or (self.source == "local" and self.streaming)
 
-    def stream_config(self, seed: int):
+    def stream_config(self, seed: int) -> StreamConfig:
         """The data.streaming view of these settings."""
-        from data.streaming import StreamConfig
-
         if self.source == "mixture":
             if not self.mixture:
                 raise ConfigError(
@@ -75,6 +75,8 @@ class DataConfig:
                 )
             return StreamConfig(
                 mixture={m.key(): m.weight for m in self.mixture},
+                mirrors=self._mirrors(),
+                mixture_weighting=self.mixture_weighting,
                 split=self.split,
                 text_field=self.text_field,
                 shuffle_window=self.shuffle_window,
@@ -83,8 +85,9 @@ class DataConfig:
             )
         return StreamConfig(
             source=self.source,
-            path=self.path if self.source == "local" else "",
+            path=self.path,  # local: the files; a named source: its mirror ("" = the hub)
             config_name=self.name,
+            mixture_weighting=self.mixture_weighting,
             split=self.split,
             text_field=self.text_field,
             shuffle_window=self.shuffle_window,
@@ -92,8 +95,22 @@ class DataConfig:
             seed=seed,
         )
 
+    def _mirrors(self) -> dict[str, str]:
+        """{named source: local mirror} from the mixture entries that name one."""
+        mirrors: dict[str, str] = {}
+        for m in self.mixture:
+            if m.source == "local" or not m.path:
+                continue
+            if mirrors.setdefault(m.source, m.path) != m.path:
+                raise ConfigError(
+                    f"data.mixture: {m.source} has two mirrors, {mirrors[m.source]!r} and {m.path!r}; a mirror is "
+                    "the whole hub repo, one per source"
+                )
+        return mirrors
+
     def validate(self) -> None:
         check_choice("data.source", self.source, SOURCES)
+        check_choice("data.mixture_weighting", self.mixture_weighting, WEIGHTINGS)
         if self.mixture and self.source != "mixture":
             raise ConfigError(f"data.mixture: set data.source = 'mixture' to use it (data.source is {self.source!r})")
         if self.is_streaming:

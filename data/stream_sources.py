@@ -1,7 +1,10 @@
 """Sources of streamed documents: named Hugging Face Hub datasets and local files.
 
 Both are read with ``datasets`` in streaming mode: a hub source is exactly
-``load_dataset(path, name, split=split, streaming=True)``; local ``.jsonl`` /
+``load_dataset(path, name, split=split, streaming=True)``, where ``path`` is the hub repo
+id or, for a local mirror of that repo (``data.path`` with a named source), the mirror's
+folder: datasets reads its README configs, split folders, compression and schema as it
+would on the hub; local ``.jsonl`` /
 ``.parquet`` / ``.txt`` files (a file, a folder or a glob, one file type per source)
 go through datasets' ``json`` / ``parquet`` / ``text`` builders with ``data_files``,
 the text builder with ``sample_by="document"`` so a ``.txt`` file is one document, as
@@ -34,6 +37,7 @@ class HubSource:
     splits: tuple[str, ...] = ("train",)
     text_field: str = "text"
     meta_field: str = ""  # dotted path of a per-document label worth logging ("" = none)
+    mirror_layout: str = ""  # what a local mirror of the repo holds (errors and docs)
 
 
 HUB_SOURCES: dict[str, HubSource] = {
@@ -44,6 +48,7 @@ HUB_SOURCES: dict[str, HubSource] = {
             "cerebras/SlimPajama-627B",
             splits=("train", "validation", "test"),
             meta_field="meta.redpajama_set_name",
+            mirror_layout="<split>/chunk<k>/example_<train|holdout>_<i>.jsonl.zst",
         ),
         HubSource(
             "fineweb-edu",
@@ -51,9 +56,16 @@ HUB_SOURCES: dict[str, HubSource] = {
             configs=("sample-10BT", "sample-100BT", "sample-350BT", "default"),
             default_config="sample-10BT",
             meta_field="dump",
+            mirror_layout="README.md (configs) + data/<dump>/*.parquet and sample/<10BT|100BT|350BT>/*.parquet",
         ),
-        HubSource("openwebtext", "Skylion007/openwebtext"),
-        HubSource("pg19", "deepmind/pg19", splits=("train", "validation", "test"), meta_field="short_book_title"),
+        HubSource("openwebtext", "Skylion007/openwebtext", mirror_layout="plain_text/train-*.parquet"),
+        HubSource(
+            "pg19",
+            "deepmind/pg19",
+            splits=("train", "validation", "test"),
+            meta_field="short_book_title",
+            mirror_layout="data/<split>-*.parquet",
+        ),
     )
 }
 
@@ -70,6 +82,8 @@ class SourceSpec:
     split: str = "train"
     files: tuple[str, ...] = ()  # local, sorted
     shard_names: tuple[str, ...] = ()  # local: file names relative to the folder / glob prefix the user named
+    mirror: str = ""  # hub: a local folder holding a copy of the hub repo, read instead of the hub
+    mirror_key: str = "data.path"  # the config key that named the mirror (errors)
 
     @property
     def kind(self) -> str:
@@ -84,7 +98,7 @@ class SourceSpec:
         import datasets  # the module attribute is looked up at call time, so tests can monkeypatch load_dataset
 
         if self.hub:
-            ds = datasets.load_dataset(self.hub.path, self.config, split=self.split, streaming=True)
+            ds = self._load_hub(datasets)
         else:
             extra = {"sample_by": "document"} if self.builder == "text" else {}
             ds = datasets.load_dataset(
@@ -100,6 +114,33 @@ class SourceSpec:
             columns = [c for c in dict.fromkeys(columns) if c in ds.features]  # a missing label column is no error
             ds = ds.select_columns(columns)
         return ds
+
+    def _load_hub(self, datasets):
+        """``load_dataset(repo or mirror, config, split, streaming=True)``; its refusals as one-line errors."""
+        assert self.hub is not None
+        where = self.mirror or self.hub.path
+        key = self.mirror_key if self.mirror else "data.source"
+        try:
+            return datasets.load_dataset(where, self.config, split=self.split, streaming=True)
+        except RuntimeError as exc:
+            if "scripts are no longer supported" not in str(exc):
+                raise
+            raise ConfigError(
+                f"{key}: {where} is a loading-script dataset, which datasets>=4 no longer runs; point data.path at a "
+                f"local mirror holding {self.hub.mirror_layout} (docs/data.md)"
+            ) from None
+        except ValueError as exc:  # datasets: "Bad split: ..." / "BuilderConfig 'x' not found. Available: ..."
+            if not self.mirror:
+                raise
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"{key}: the mirror {where} cannot give {self.name} ({first})") from None
+        except FileNotFoundError as exc:
+            if not self.mirror:
+                raise
+            raise ConfigError(
+                f"{key}: the mirror {where} holds no data files of {self.name}; expected {self.hub.mirror_layout} "
+                f"({str(exc).splitlines()[0] if str(exc) else 'no files'})"
+            ) from None
 
     def shard_name(self, index: int) -> str:
         return self.shard_names[index] if self.shard_names else f"{self.split}/shard{index:05d}"
@@ -122,7 +163,27 @@ def _local_spec(name: str, path: str, text_field: str, key: str, files: list[Pat
     )
 
 
-def _hub_spec(name: str, source: HubSource, config: str, split: str, key: str) -> SourceSpec:
+def _check_mirror(mirror: str, source: HubSource, key: str) -> str:
+    """A local mirror is a folder holding a copy of the hub repo's files."""
+    if not mirror:
+        return ""
+    folder = Path(mirror).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(
+            f"{key}: {mirror!r} is not a folder; with a named source it is a local mirror of {source.path} "
+            f"({source.mirror_layout})"
+        )
+    if (folder / f"{folder.name}.py").is_file():
+        raise ConfigError(
+            f"{key}: {mirror!r} holds the loading script {folder.name}.py, which datasets>=4 no longer runs; mirror "
+            f"the data files instead ({source.mirror_layout})"
+        )
+    return str(folder)
+
+
+def _hub_spec(
+    name: str, source: HubSource, config: str, split: str, key: str, mirror: str = "", mirror_key: str = "data.path"
+) -> SourceSpec:
     if source.configs and config and config not in source.configs:
         raise ConfigError(f"{key}: {config!r} is not a config of {source.name}; one of {', '.join(source.configs)}")
     if config and not source.configs:
@@ -136,6 +197,8 @@ def _hub_spec(name: str, source: HubSource, config: str, split: str, key: str) -
         hub=source,
         config=(config or source.default_config) if source.configs else None,
         split=split,
+        mirror=_check_mirror(mirror, source, mirror_key),
+        mirror_key=mirror_key,
     )
 
 
@@ -147,8 +210,11 @@ def resolve_source(
     split: str = "train",
     text_field: str = "",
     field: str = "data.source",
+    mirrors: dict[str, str] | None = None,
 ) -> SourceSpec:
-    """``key``: a named source, ``local`` (then ``path``), or in a mixture ``name:config`` / a local path."""
+    """``key``: a named source, ``local`` (then ``path``), or in a mixture ``name:config`` / a local path.
+
+    ``mirrors``: {named source: local folder mirroring its hub repo}."""
     if key == LOCAL:
         if not path:
             raise ConfigError(
@@ -158,7 +224,13 @@ def resolve_source(
     name, _, key_config = key.partition(":")
     if name in HUB_SOURCES:
         return _hub_spec(
-            key, HUB_SOURCES[name], key_config or config, split, field if key_config else "data.config_name"
+            key,
+            HUB_SOURCES[name],
+            key_config or config,
+            split,
+            field if key_config else "data.config_name",
+            (mirrors or {}).get(name, ""),
+            "data.mixture" if field == "data.mixture" else "data.path",
         )
     if field == "data.source":
         raise ConfigError(f"data.source: {key!r} is not one of {', '.join([*HUB_SOURCES, LOCAL])}")

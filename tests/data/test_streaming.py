@@ -1,19 +1,17 @@
-"""Streaming data: rank x worker sharding, exact resume, mixtures, hub arguments, document masks.
+"""Streaming data: rank x worker sharding, exact resume, packing, world-size changes, hub arguments, document
+masks (mixtures: test_mixture.py).
 
-Offline and on CPU: hub sources are checked up to ``datasets.load_dataset`` (monkeypatched) and then
-fed local files in the hub dataset's schema. A byte-level tokenizer keeps thousands of sequences cheap
-and lets tests read documents back out of packed sequences.
+Offline and on CPU. A named source reads a local mirror of its hub repo through the real
+``datasets.load_dataset(mirror, config, split=..., streaming=True)`` (here SlimPajama's zstd JSON-lines
+layout; every named source's real layout is in test_hub_mirrors.py); only the test of the exact hub
+arguments replaces ``load_dataset``. A byte-level tokenizer keeps thousands of sequences cheap and lets
+tests read documents back out of packed sequences.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
-import math
 
-import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -29,45 +27,15 @@ from data.streaming import (
     document_positions,
     token_counts,
 )
+from tests.data.streams import EOS, ByteTokenizer, T, epoch_ids, make_corpus, write_jsonl
 
-
-class ByteTokenizer:
-    """UTF-8 bytes, EOS = 256: decoding is exact, so documents can be read back out of sequences."""
-
-    vocab_size = 257
-    eos_id = 256
-
-    def encode_batch(self, texts: list[str]) -> list[list[int]]:
-        return [list(t.encode()) for t in texts]
-
-
-EOS = ByteTokenizer.eos_id
-T = 32
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's, on every loader
-
-
-def write_jsonl(path, rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-
-
-def make_corpus(root, sizes=(23, 31, 17), alphabet="abcdefgh ", seed=0) -> dict[str, str]:
-    """jsonl files part{i}.jsonl of varied documents; returns {document id: text}."""
-    rng = np.random.default_rng(seed)
-    docs = {}
-    for f, n in enumerate(sizes):
-        rows = []
-        for r in range(n):
-            text = "".join(rng.choice(list(alphabet), size=int(rng.integers(3, 120))))
-            rows.append({"text": text, "meta": {"redpajama_set_name": f"set{f % 2}"}})
-            docs[f"part{f}.jsonl:{r}"] = text
-        write_jsonl(root / f"part{f}.jsonl", rows)
-    return docs
 
 
 @pytest.fixture
 def fake_hub(monkeypatch):
-    """datasets.load_dataset for hub paths records its arguments and streams local jsonl files instead."""
+    """datasets.load_dataset for hub repo ids records its arguments and streams local jsonl files instead: only for
+    checking the exact arguments a named source passes for the hub (its data path is tested on real mirrors)."""
     import datasets
 
     real = datasets.load_dataset
@@ -84,39 +52,24 @@ def fake_hub(monkeypatch):
     return calls, files
 
 
-def source_config(kind: str, tmp_path, fake_hub, **kw) -> tuple[StreamConfig, set[str]]:
-    """A local corpus, or the same files behind 'slimpajama' (4 files: shards mode for 4 workers; 3: examples mode)."""
+def source_config(kind: str, tmp_path, **kw) -> tuple[StreamConfig, set[str]]:
+    """A local corpus, or 'slimpajama' read from a local mirror of its hub repo (4 files: shards mode for 4
+    workers; 3: examples mode)."""
     if kind == "local":
         docs = make_corpus(tmp_path / "corpus")
         return StreamConfig(path=str(tmp_path / "corpus"), **kw), set(docs)
     sizes = (23, 31, 17, 20) if kind == "hub-shards" else (23, 31, 17)
-    docs = make_corpus(tmp_path / "hub", sizes)
-    fake_hub[1][HUB_SOURCES["slimpajama"].path] = [str(tmp_path / "hub" / f"part{i}.jsonl") for i in range(len(sizes))]
-    ids = {f"train/shard{int(k[4]):05d}:{k.split(':')[1]}" for k in docs}
-    return StreamConfig(source="slimpajama", **kw), ids
-
-
-def epoch_ids(ds: StreamDataset, worker: int, workers: int, epoch: int) -> list[str]:
-    out = []
-    for doc in ds.documents(worker, workers):
-        if doc.epoch > epoch:
-            return out
-        if doc.epoch == epoch:
-            out.append(doc.id)
-
-
-def worker_stream(batches: list[torch.Tensor], worker: int, num_workers: int) -> list[int]:
-    """One loader worker's token stream: its batches come round-robin; consecutive sequences share a token."""
-    seqs = [s for b in batches[worker::num_workers] for s in b.tolist()]
-    return seqs[0] + [t for s in seqs[1:] for t in s[1:]]
+    mirror = tmp_path / "cerebras" / "SlimPajama-627B"
+    docs = make_corpus(mirror, sizes, slimpajama=True)
+    return StreamConfig(source="slimpajama", path=str(mirror), **kw), set(docs)
 
 
 # ---- sharding ---------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["local", "hub-shards", "hub-examples"])
-def test_every_document_once_per_epoch_across_ranks_and_workers(kind, tmp_path, fake_hub):
-    cfg, ids = source_config(kind, tmp_path, fake_hub, shuffle_window=8, seed=3)
+def test_every_document_once_per_epoch_across_ranks_and_workers(kind, tmp_path):
+    cfg, ids = source_config(kind, tmp_path, shuffle_window=8, seed=3)
     ranks = [StreamDataset(cfg, rank=r, world_size=2) for r in range(2)]
     for epoch in (0, 1):
         seen = [epoch_ids(ds, w, 2, epoch) for ds in ranks for w in range(2)]
@@ -152,11 +105,10 @@ def test_local_order_does_not_depend_on_the_world_size(tmp_path):
 
 
 @pytest.mark.parametrize("kind", ["local", "hub-shards"])
-def test_resume_gives_the_next_1000_sequences_2_ranks_x_2_workers(kind, tmp_path, fake_hub, monkeypatch):
-    monkeypatch.setattr(
-        stream_sources, "READ_BATCH", 5
-    )  # shards span several datasets reads: restores go through their states
-    cfg, _ = source_config(kind, tmp_path, fake_hub, shuffle_window=8, seed=7, num_workers=2)
+def test_resume_gives_the_next_1000_sequences_2_ranks_x_2_workers(kind, tmp_path, monkeypatch):
+    # shards span several datasets reads: restores go through their states
+    monkeypatch.setattr(stream_sources, "READ_BATCH", 5)
+    cfg, _ = source_config(kind, tmp_path, shuffle_window=8, seed=7, num_workers=2)
     tok, batch, steps = ByteTokenizer(), 8, 1000 // 8
     per_rank = []
     for rank, stop in ((0, 37), (1, 50)):  # arbitrary steps: the last batch before each came from worker 0 / 1
@@ -172,7 +124,8 @@ def test_resume_gives_the_next_1000_sequences_2_ranks_x_2_workers(kind, tmp_path
         after = [next(again) for _ in range(steps)]
         assert all(a.shape == (batch, T + 1) and a.dtype == torch.int64 for a in after)
         assert all(torch.equal(a, b) for a, b in zip(out[stop:], after)), f"rank {rank}"
-        assert resumed.token_counts() == loader.token_counts() == {cfg.path or "slimpajama": len(out) * batch * T}
+        name = "slimpajama" if cfg.source == "slimpajama" else cfg.path
+        assert resumed.token_counts() == loader.token_counts() == {name: len(out) * batch * T}
         per_rank.append(out[0])
     assert not torch.equal(per_rank[0], per_rank[1])
 
@@ -194,65 +147,6 @@ def test_packing_is_eos_separated_and_overlapping(tmp_path):
         tokens, ids = b.tokens, b.doc_ids
         assert (ids[:, 0] == 0).all() and torch.equal(ids[:, 1:], ids[:, :-1] + (tokens[:, :-1] == EOS).long())
     assert loader.token_counts() == {cfg.path: 40 * T}
-
-
-# ---- mixtures ---------------------------------------------------------------------------------
-
-
-def mixture_fixture(tmp_path) -> tuple[StreamConfig, str, str]:
-    a, b = tmp_path / "a", tmp_path / "b.parquet"
-    make_corpus(a, sizes=(20, 20), alphabet="abcdefghijklm")
-    rng = np.random.default_rng(1)
-    pq.write_table(
-        pa.table(
-            {"text": ["".join(rng.choice(list("nopqrstuvwxyz"), size=int(rng.integers(3, 60)))) for _ in range(25)]}
-        ),
-        b,
-    )
-    return StreamConfig(mixture={str(a): 0.7, str(b): 0.3}, shuffle_window=16, seed=11), str(a), str(b)
-
-
-def test_mixture_follows_the_weights_and_the_seed(tmp_path):
-    cfg, a, _ = mixture_fixture(tmp_path)
-    n, p = 3000, 0.7
-    docs = [d for d, _ in zip(StreamDataset(cfg).documents(0, 1), range(n))]
-    k = sum(d.source == a for d in docs)
-    sigma = math.sqrt(n * p * (1 - p))  # binomial; 5 sigma: a false alarm ~ 1 in 1.7 million seeds
-    assert abs(k - n * p) <= 5 * sigma, (k, n * p, sigma)
-    again = [d.id for d, _ in zip(StreamDataset(cfg).documents(0, 1), range(300))]
-    other = [
-        d.id
-        for d, _ in zip(
-            StreamDataset(StreamConfig(mixture=cfg.mixture, shuffle_window=16, seed=12)).documents(0, 1), range(300)
-        )
-    ]
-    assert again == [d.id for d in docs[:300]] and other != again
-
-
-def test_mixture_resumes_exactly_and_counts_tokens_per_source(tmp_path, monkeypatch):
-    monkeypatch.setattr(stream_sources, "READ_BATCH", 7)
-    cfg, a, b = mixture_fixture(tmp_path)
-    tok, stop, steps = ByteTokenizer(), 23, 60
-    loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=4, num_workers=2)
-    it, out = iter(loader), []
-    for step in range(stop + steps):
-        out.append(next(it))
-        if step + 1 == stop:
-            state, counts_at_stop = loader.state_dict(), loader.token_counts()
-    resumed = build_stream_loader(cfg, tok, seq_len=T, batch_size=4, num_workers=2)
-    resumed.load_state_dict(state)
-    assert resumed.token_counts() == counts_at_stop
-    again = iter(resumed)
-    assert all(torch.equal(x, next(again)) for x in out[stop:])
-    # attribute every target token: letters a-m come from source a, n-z from b, an EOS from its document
-    expected = {a: 0, b: 0}
-    for w in range(2):
-        stream = worker_stream(out, w, 2)
-        for prev, t in itertools.pairwise(stream):
-            letter = prev if t == EOS else t
-            expected[a if chr(letter) <= "m" else b] += 1
-    assert loader.token_counts() == token_counts(loader.state_dict()) == expected
-    assert expected[a] > expected[b] > 0
 
 
 # ---- world-size changes -------------------------------------------------------------------------
@@ -297,8 +191,8 @@ def test_resume_on_another_world_size_rederives_local_positions(tmp_path):
     assert next(new.sequences(0, 3)).shape == (T + 1,)
 
 
-def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path, fake_hub):
-    cfg, _ = source_config("hub-shards", tmp_path, fake_hub, shuffle_window=8)
+def test_changed_worker_count_and_hub_positions_give_one_line_errors(tmp_path):
+    cfg, _ = source_config("hub-shards", tmp_path, shuffle_window=8)
     tok = ByteTokenizer()
     ds = StreamDataset(cfg, tok, seq_len=T, rank=0, world_size=2)
     it = ds.sequences(0, 2)
