@@ -73,6 +73,7 @@ class TextGenerator:
                 eos_id=self.tokenizer.eos_id,
                 generator=gen,
                 stop=check,
+                vocab_size=self.tokenizer.vocab_size,
             )
         finally:
             self.model.train(was_training)

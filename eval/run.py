@@ -127,6 +127,7 @@ def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int
         top_k=50,
         generator=gen,
         eos_id=tokenizer.eos_id,
+        vocab_size=tokenizer.vocab_size,
     )
     return {
         "prompt": prompt,

@@ -263,16 +263,27 @@ class Transformer(nn.Module):
         generator: torch.Generator | None = None,
         return_logits: bool = False,
         stop: Callable[[Tensor], bool] | None = None,
+        vocab_size: int | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Prefill ``idx`` [B, T0] into a KV cache, then decode one token at a time.
 
         temperature 0 is greedy. Rows that produced ``eos_id`` keep emitting it.
         ``stop(new_tokens [B, n])`` ends decoding early when it returns True (stop strings).
+        ``vocab_size``: only ids below it are generated (a tokenizer smaller than the model's padded
+        vocabulary: the logits beyond it are masked, so every id decodes).
         With ``return_logits`` also returns the logits that chose each new token, [B, new, V].
         """
         b, t0 = idx.shape
         caches = self.new_caches(b, t0 + max_new_tokens)
-        logits = self(idx, caches=caches).logits[:, -1]
+
+        def last_logits(x: Tensor) -> Tensor:
+            logits = self(x, caches=caches).logits[:, -1]
+            if vocab_size is not None and vocab_size < logits.shape[-1]:
+                logits = logits.clone()
+                logits[:, vocab_size:] = float("-inf")
+            return logits
+
+        logits = last_logits(idx)
         tokens, chosen_logits = [], []
         done = torch.zeros(b, dtype=torch.bool, device=idx.device)
         for step in range(max_new_tokens):
@@ -286,7 +297,7 @@ class Transformer(nn.Module):
                 break
             if stop is not None and stop(torch.stack(tokens, dim=1)):
                 break
-            logits = self(nxt[:, None], caches=caches).logits[:, -1]
+            logits = last_logits(nxt[:, None])
         out = torch.cat([idx, torch.stack(tokens, dim=1)], dim=1)
         return (out, torch.stack(chosen_logits, dim=1)) if return_logits else out
 

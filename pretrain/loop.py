@@ -144,7 +144,7 @@ class Trainer:
             self._say(f"step {self.step}: training {counts[0]:,} of {counts[1]:,} parameters")
 
     def _source_tokens(self) -> dict[str, float]:
-        """data/tokens/<source>: target tokens drawn per source, all ranks (a mixture's actual shares)."""
+        """data/tokens/<source>: target tokens drawn per source, all ranks; data/share/<source>: their share."""
         counts = self.loader.token_counts()
         if not counts:
             return {}
@@ -152,7 +152,8 @@ class Trainer:
         total = self.engine.all_reduce_sum(
             torch.tensor([float(counts[n]) for n in names], dtype=torch.float64, device=self.device)
         )
-        return {f"data/tokens/{n}": float(v) for n, v in zip(names, total.tolist())}
+        out = {f"data/tokens/{n}": float(v) for n, v in zip(names, total.tolist())}
+        return out | {k.replace("tokens", "share", 1): v / max(sum(out.values()), 1.0) for k, v in out.items()}
 
     def _reference_batch(self) -> torch.Tensor:
         """A fixed validation batch for statistics tracked across log steps (Focus stability)."""
@@ -362,5 +363,7 @@ class Trainer:
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         x = torch.tensor([ids], device=self.device)
         self.model.eval()
-        out = self.model.generate(x, max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tok.eos_id)
+        out = self.model.generate(
+            x, max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tok.eos_id, vocab_size=tok.vocab_size
+        )
         return tok.decode(out[0].tolist())
