@@ -7,7 +7,7 @@ Weighting (``data.mixture_weighting``), when there are two or more sources:
   * "tokens" (default; what OLMo and Megatron blending do): every sequence comes from one source, packed
     from that source's own documents, so a weight is a share of the tokens. Sequence n goes to the source
     furthest behind its weight: argmax_s w_s * (n + 1) - n_s (n_s: sequences source s has had; ties to the
-    first source). Deterministic, within one sequence per source of the weights at every step; the state
+    first source). Deterministic, within about one sequence per source of the weights at every step; the state
     is n_s plus each source's position and half-packed document. A long document is spread over the
     steps at its source's rate instead of filling them.
   * "documents": draw d picks a source by an RNG seeded from (seed, generation, g, d // 1024); the drawn

@@ -173,11 +173,12 @@ def _check_mirror(mirror: str, source: HubSource, key: str) -> str:
             f"{key}: {mirror!r} is not a folder; with a named source it is a local mirror of {source.path} "
             f"({source.mirror_layout})"
         )
-    if (folder / f"{folder.name}.py").is_file():
-        raise ConfigError(
-            f"{key}: {mirror!r} holds the loading script {folder.name}.py, which datasets>=4 no longer runs; mirror "
-            f"the data files instead ({source.mirror_layout})"
-        )
+    for script in dict.fromkeys((f"{folder.name}.py", f"{Path(source.path).name}.py")):
+        if (folder / script).is_file():
+            raise ConfigError(
+                f"{key}: {mirror!r} holds the loading script {script}, which datasets>=4 no longer runs; mirror the "
+                f"data files instead ({source.mirror_layout})"
+            )
     return str(folder)
 
 

@@ -190,9 +190,10 @@ def test_token_weighted_mixture_of_mirrors_resumes_exactly_on_2_ranks(hub, monke
 def test_a_mirror_that_cannot_serve_the_source_is_a_one_line_error(hub, tmp_path):
     train_only = tmp_path / "train-only"
     mirrors._write_zst_jsonl(train_only / "train" / "chunk1" / "example_train_0.jsonl.zst", [{"text": "x"}])
-    scripted = tmp_path / "scripted" / "pg19"  # a clone of the hub repo as it is: the loading script
-    scripted.mkdir(parents=True)
-    (scripted / "pg19.py").write_text("# a loading script\n")
+    scripted, renamed = tmp_path / "scripted" / "pg19", tmp_path / "deepmind-pg19"  # clones of the hub repo as is
+    for clone in (scripted, renamed):
+        clone.mkdir(parents=True)
+        (clone / "pg19.py").write_text("# a loading script\n")
     (tmp_path / "empty").mkdir()
     cases = [
         (
@@ -202,6 +203,10 @@ def test_a_mirror_that_cannot_serve_the_source_is_a_one_line_error(hub, tmp_path
         (
             StreamConfig(source="pg19", path=str(scripted)),
             r"^data\.path: '.*pg19' holds the loading script pg19\.py, which datasets>=4 no longer runs",
+        ),
+        (
+            StreamConfig(mixture={"pg19": 1.0, "openwebtext": 1.0}, mirrors={"pg19": str(renamed)}),
+            r"^data\.mixture: '.*deepmind-pg19' holds the loading script pg19\.py",
         ),
         (
             StreamConfig(source="fineweb-edu", path=hub["fineweb-edu"][0], config_name="sample-100BT"),
