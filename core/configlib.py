@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import sys
 import types
 import typing
@@ -81,6 +82,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            if not math.isfinite(value):  # nan passes every `<` check a validate() makes, inf most of them
+                raise ConfigError(f"{key}: expected a finite number, got {value}")
             return float(value)
         raise ConfigError(f"{key}: expected a number, got {value!r}")
     if tp is str:
@@ -90,10 +93,15 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     raise ConfigError(f"{key}: unsupported config type {_type_name(tp)}")
 
 
-def from_dict(cls: type, data: dict[str, Any], prefix: str = "", base: Any = None) -> Any:
-    """Build ``cls`` from ``data``; fields missing from data keep ``base``'s (or the defaults)."""
+def require_table(data: Any, prefix: str) -> None:
+    """``data`` (the value at dotted ``prefix``) must be a table: ``model = 5`` is one line, not a traceback."""
     if not isinstance(data, dict):
         raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a table, got {data!r}")
+
+
+def from_dict(cls: type, data: dict[str, Any], prefix: str = "", base: Any = None) -> Any:
+    """Build ``cls`` from ``data``; fields missing from data keep ``base``'s (or the defaults)."""
+    require_table(data, prefix)
     obj = base if base is not None else cls()
     data = _move_keys(data, getattr(cls, "moved_keys", {}), prefix)
     hints = typing.get_type_hints(cls)
@@ -188,7 +196,16 @@ def load_toml(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"--config: no such file {str(path)!r}")
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        text = path.read_bytes().decode("utf-8-sig")  # a byte-order mark some editors write is not an error
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"--config: {path} is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+            "TOML files are UTF-8"
+        ) from None
+    except OSError as exc:
+        raise ConfigError(f"--config: cannot read {path} ({exc.strerror or exc})") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"--config: {path} is not valid TOML: {exc}") from None
 
