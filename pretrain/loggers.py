@@ -1,4 +1,13 @@
-"""Where step metrics go: metrics.jsonl (always), console, TensorBoard, Weights & Biases."""
+"""Where step metrics go: metrics.jsonl (always), console, TensorBoard, Weights & Biases.
+
+Non-finite numbers are written to JSON as the strings ``"nan"``, ``"inf"`` and ``"-inf"`` (JSON has
+no literal for them; ``float()`` reads them back), here and in ``eval.run``'s results.
+
+TensorBoard's writer and the W&B run are created on the first ``log()``, so a relaunch that has
+nothing to do (a finished run) writes no new event file and no new W&B run. W&B's mode is
+``log.wandb`` unless the environment says otherwise: ``WANDB_MODE`` (``disabled``, ``offline``,
+``online``; ``dryrun`` = offline) or ``WANDB_DISABLED=true`` win over the config.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +15,7 @@ import json
 import math
 import os
 import secrets
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,14 +23,31 @@ from typing import Any
 from run.config import LogConfig
 
 METRICS_FILE = "metrics.jsonl"
+# WANDB_MODE values wandb accepts -> ours (run.config.WANDB_MODES)
+_WANDB_ENV_MODES = {
+    "disabled": "disabled",
+    "offline": "offline",
+    "dryrun": "offline",
+    "online": "online",
+    "run": "online",
+}
 
 
 def _plain(value: Any) -> Any:
-    if hasattr(value, "item"):
+    """A JSON-ready value: tensors as numbers, non-finite floats as strings, containers converted inside."""
+    if hasattr(value, "item"):  # a tensor or numpy scalar
         value = value.item()
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)  # JSON has no NaN/inf literals
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
     return value
+
+
+def _note(line: str) -> None:
+    print(f"note: {line}", file=sys.stderr, flush=True)
 
 
 class MetricsFile:
@@ -31,47 +58,107 @@ class MetricsFile:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
+        """Keep the records of steps <= ``step``. A torn line (a write cut short by a kill) or any
+        other line that is not a JSON record is dropped with a one-line note; the file is rewritten
+        (atomically) only when something changes."""
         if not self.path.exists():
             return
-        kept = [
-            line
-            for line in self.path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step
-        ]
+        data = self.path.read_bytes()
+        lines = [(number, raw) for number, raw in enumerate(data.split(b"\n"), 1) if raw.strip()]
+        kept, damaged = [], []
+        for number, raw in lines:
+            record = _record(raw)
+            if record is None:
+                damaged.append(number)
+            elif _step_of(record) <= step:
+                kept.append(raw.decode("utf-8"))
+        if damaged:
+            where = "its last line" if damaged == [lines[-1][0]] else f"line(s) {', '.join(map(str, damaged[:5]))}"
+            _note(f"{self.path.name}: dropped {where}: not a complete JSON record (a write cut short)")
+        if len(kept) < len(lines) or (data and not data.endswith(b"\n")):
+            self._rewrite(kept)
+
+    def clear(self) -> None:
+        """Drop every record: a run that restarts from step 0 (no checkpoint) starts a fresh file."""
+        if self.path.exists() and self.path.stat().st_size:
+            self._rewrite([])
+
+    def _rewrite(self, lines: list[str]) -> None:
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
         os.replace(tmp, self.path)
 
     def write(self, record: dict[str, Any]) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({k: _plain(v) for k, v in record.items()}) + "\n")
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({k: _plain(v) for k, v in record.items()}, allow_nan=False) + "\n")
+
+
+def _record(raw: bytes) -> dict[str, Any] | None:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def _step_of(record: dict[str, Any]) -> float:
+    step = record.get("step", 0)
+    return step if isinstance(step, (int, float)) and not isinstance(step, bool) else 0
+
+
+def wandb_mode(configured: str) -> str:
+    """``log.wandb``, unless ``WANDB_MODE`` / ``WANDB_DISABLED`` in the environment say otherwise."""
+    if os.environ.get("WANDB_DISABLED", "").strip().lower() in ("true", "1", "yes"):
+        return "disabled"
+    env = os.environ.get("WANDB_MODE", "").strip().lower()
+    return _WANDB_ENV_MODES.get(env, configured)
 
 
 class Loggers:
+    """metrics.jsonl, console, TensorBoard and W&B behind one ``log()``; only the writing rank
+    (``enabled``) touches any of them. TensorBoard and W&B start on the first ``log()``."""
+
     def __init__(self, run_dir: Path, cfg: LogConfig, *, run_name: str, config: dict[str, Any], enabled: bool = True):
         self.cfg = cfg
         self.enabled = enabled
-        self.metrics = MetricsFile(run_dir / METRICS_FILE)
+        self.run_dir = Path(run_dir)
+        self.run_name = run_name
+        self.config = config
+        self.metrics = MetricsFile(self.run_dir / METRICS_FILE)
         self.tb = None
         self.wandb = None
-        if not enabled:
-            return
-        if cfg.tensorboard:
+        self._started = False
+
+    def _start(self) -> None:
+        """The writers, on the first record: a relaunch with nothing to log leaves no trace."""
+        self._started = True
+        if self.cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(log_dir=str(run_dir / "tb"))
-        if cfg.wandb != "disabled":
-            self.wandb = _init_wandb(run_dir, cfg, run_name, config)
+            self.tb = SummaryWriter(log_dir=str(self.run_dir / "tb"))
+        mode = wandb_mode(self.cfg.wandb)
+        if mode != self.cfg.wandb:
+            _note(f"W&B {mode} (the environment's WANDB_MODE / WANDB_DISABLED), not log.wandb={self.cfg.wandb}")
+        if mode != "disabled":
+            self.wandb = _init_wandb(self.run_dir, self.cfg, mode, self.run_name, self.config)
 
     def truncate_after(self, step: int) -> None:
         """Drop metrics past ``step`` (resume); only the writing rank touches the file."""
         if self.enabled:
             self.metrics.truncate_after(step)
 
+    def start_fresh(self) -> None:
+        """Drop every metrics record (a restart with no checkpoint: the stale records would be
+        repeated); only the writing rank touches the file."""
+        if self.enabled:
+            self.metrics.clear()
+
     def log(self, record: dict[str, Any]) -> None:
         if not self.enabled:
             return
         self.metrics.write(record)
+        if not self._started:
+            self._start()
         step = record["step"]
         scalars = {k: _plain(v) for k, v in record.items() if k != "step" and isinstance(_plain(v), (int, float))}
         if self.tb is not None:
@@ -91,7 +178,7 @@ class Loggers:
             self.wandb.finish()
 
 
-def _init_wandb(run_dir: Path, cfg: LogConfig, run_name: str, config: dict[str, Any]):
+def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config: dict[str, Any]):
     import wandb
 
     # The run id lives in the run directory so a resumed run continues the same W&B run.
@@ -105,7 +192,7 @@ def _init_wandb(run_dir: Path, cfg: LogConfig, run_name: str, config: dict[str, 
         id=run_id,
         resume="allow",
         dir=str(run_dir),
-        mode=cfg.wandb,
+        mode=mode,
         config=config,
     )
 

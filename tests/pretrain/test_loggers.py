@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import json
 
-from pretrain.loggers import Loggers, MetricsFile
+import pytest
+
+from pretrain.loggers import Loggers, MetricsFile, wandb_mode
 from run.config import LogConfig
 
 
@@ -32,3 +34,60 @@ def test_tensorboard_and_offline_wandb_resume_the_same_run(tmp_path, monkeypatch
     assert any((tmp_path / "tb").iterdir())
     assert any(p.name.endswith(run_id) for p in (tmp_path / "wandb").iterdir())
     assert json.loads((tmp_path / "metrics.jsonl").read_text())["note"] == "text is not a scalar"
+
+
+def test_a_torn_last_line_is_dropped_with_a_note(tmp_path, capsys):
+    m = MetricsFile(tmp_path / "metrics.jsonl")
+    for step in range(1, 4):
+        m.write({"step": step, "loss": float(step)})
+    with open(m.path, "a") as f:
+        f.write('{"step": 4, "lo')  # what a kill in the middle of a write leaves
+    m.truncate_after(3)
+    assert [json.loads(line)["step"] for line in m.path.read_text().splitlines()] == [1, 2, 3]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "metrics.jsonl: dropped its last line" in err[0]
+    m.write({"step": 4, "loss": 4.0})
+    assert json.loads(m.path.read_text().splitlines()[-1]) == {"step": 4, "loss": 4.0}
+
+
+def test_truncate_rewrites_only_when_something_is_dropped_and_clear_starts_fresh(tmp_path):
+    m = MetricsFile(tmp_path / "metrics.jsonl")
+    for step in range(1, 4):
+        m.write({"step": step, "loss": 1.0})
+    inode = m.path.stat().st_ino
+    m.truncate_after(3)
+    assert m.path.stat().st_ino == inode, "a finished run's relaunch rewrites nothing"
+    m.clear()
+    assert m.path.read_text() == ""
+    m.write({"step": 1, "loss": 1.0})
+    assert len(m.path.read_text().splitlines()) == 1
+
+
+def test_non_finite_values_are_strings_and_the_file_is_strict_json(tmp_path):
+    m = MetricsFile(tmp_path / "metrics.jsonl")
+    m.write({"step": 1, "loss": float("inf"), "nested": {"a": float("-inf"), "b": [float("nan"), 1.0]}})
+    row = json.loads(m.path.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c} in JSON"))
+    assert row == {"step": 1, "loss": "inf", "nested": {"a": "-inf", "b": ["nan", 1.0]}}
+
+
+def test_writers_start_on_the_first_record_so_a_relaunch_with_nothing_to_do_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = LogConfig(tensorboard=True, wandb="offline", console=False)
+    idle = Loggers(tmp_path, cfg, run_name="t", config={})
+    idle.truncate_after(10)
+    idle.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("env", [{"WANDB_MODE": "disabled"}, {"WANDB_DISABLED": "true"}])
+def test_the_environment_can_turn_wandb_off(tmp_path, monkeypatch, capsys, env):
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    loggers = Loggers(tmp_path, LogConfig(tensorboard=False, wandb="offline", console=False), run_name="t", config={})
+    loggers.log({"step": 1, "loss": 1.0})
+    loggers.close()
+    assert loggers.wandb is None and not (tmp_path / "wandb").exists() and not (tmp_path / "wandb_id").exists()
+    assert "not log.wandb=offline" in capsys.readouterr().err
+    assert wandb_mode("online") == "disabled"
