@@ -36,6 +36,7 @@ from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCa
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_available
 from model.attention.focus_hard import (
     GroupLists,
+    cpu_decode_hard_attention,
     cpu_hard_attention,
     cpu_kernel_dtypes,
     decode_hard_attention,
@@ -240,9 +241,10 @@ class FocusAttention(Attention):
         ends_keys = int(q_pos[0]) == tk - tq and int(q_pos[-1]) == tk - 1  # positions are contiguous aranges
         lists = cache.extra.get("focus_lists") if cache is not None else None
         if ends_keys and tq == 1 and lists is not None and lists.length == tk:
-            return decode_hard_attention(
-                q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale
-            )
+            decode = decode_hard_attention
+            if q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and not torch.is_grad_enabled():
+                decode = cpu_decode_hard_attention
+            return decode(q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale)
         common = dict(bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups)
         if ends_keys and q.is_cuda and flex_available():
             return flex_hard_attention(q, k, v, **common, top_k=cfg.top_k, compiled=True)
@@ -296,14 +298,14 @@ class FocusAttention(Attention):
     def _out(
         self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
-        entropy = -(g_q * torch.log(g_q.clamp_min(1e-30))).sum(-1).mean()
         aux = None
         if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad:
-            aux = self.cfg.entropy_weight * entropy
+            aux = self.cfg.entropy_weight * self._entropy(g_q)
         if self.reference_batch:
             return AttnOut(output, stats=self._stability(g_q))
         if not self.collect_stats:
             return AttnOut(output, aux_loss=aux)
+        entropy = self._entropy(g_q)
         with torch.no_grad():
             g = g_q.detach()
             share = (
@@ -318,6 +320,11 @@ class FocusAttention(Attention):
             }
             stats.update(self._pair_stats(g, g_k.detach(), q_pos, k_pos, cache))
         return AttnOut(output, aux_loss=aux, stats=stats)
+
+    @staticmethod
+    def _entropy(g: Tensor) -> Tensor:
+        """Mean assignment entropy (computed only when the loss or the statistics use it)."""
+        return -(g * torch.log(g.clamp_min(1e-30))).sum(-1).mean()
 
     def _pair_stats(
         self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None

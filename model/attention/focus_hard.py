@@ -57,6 +57,19 @@ def cpu_kernel_dtypes() -> tuple[torch.dtype, ...]:
 
 
 # ---- selectors: which rows of a [B, H, T, ...] tensor one kernel call reads ------------------------------------
+def take_rows(x: Tensor, b: int, idx: Tensor) -> Tensor:
+    """``x[b][:, idx]`` ([H, n, ...]) as row copies. A KV-cache view (the first rows of a longer buffer) is re-viewed
+    over its whole buffer, which is contiguous, so ``index_select`` copies rows; on the view itself it would first
+    copy the whole view, and advanced indexing copies element by element (both several times slower)."""
+    xb = x[b]
+    if not xb.is_contiguous() and xb.dim() == 3 and xb.stride(2) == 1 and xb.stride(1) == xb.shape[2]:
+        rows, rem = divmod(xb.stride(0), xb.stride(1))
+        end = (xb.storage_offset() + xb.shape[0] * xb.stride(0)) * xb.element_size()
+        if rem == 0 and end <= xb.untyped_storage().nbytes():
+            xb = xb.as_strided((xb.shape[0], rows, xb.shape[2]), xb.stride())
+    return xb.index_select(1, idx) if xb.is_contiguous() else xb[:, idx]
+
+
 class _Rows:
     """Rows ``idx`` of sequence ``b``: one problem, [1, H, L, ...] (a gathered copy)."""
 
@@ -64,7 +77,7 @@ class _Rows:
         self.b, self.idx = b, idx
 
     def take(self, x: Tensor) -> Tensor:
-        return x[self.b][:, self.idx].unsqueeze(0)  # advanced indexing: no copy of a strided (cache) view first
+        return take_rows(x, self.b, self.idx).unsqueeze(0)
 
     def put(self, dst: Tensor, val: Tensor) -> None:
         dst[self.b].index_copy_(1, self.idx, val[0].to(dst.dtype))
@@ -84,7 +97,7 @@ class _Gathered:
 
     def rows(self, x: Tensor) -> Tensor:
         if id(x) not in self._rows:
-            self._rows[id(x)] = x[self.b][:, self.idx].unsqueeze(0)
+            self._rows[id(x)] = take_rows(x, self.b, self.idx).unsqueeze(0)
         return self._rows[id(x)]
 
     def grad(self, dst: Tensor) -> Tensor:
@@ -471,26 +484,130 @@ class GroupLists:
     def __init__(self, batch: int, n_groups: int, device: torch.device | str, capacity: int = 256):
         self.n_groups = n_groups
         self.index = torch.zeros(batch, n_groups, capacity, dtype=torch.long, device=device)
-        self.count = torch.zeros(batch, n_groups, dtype=torch.long, device=device)
+        self.counts = [[0] * n_groups for _ in range(batch)]  # members per (sequence, group)
         self.length = 0  # tokens appended
+        self.rows: GroupRows | None = None  # CPU decoding: the groups' keys and values, contiguous
 
-    def append(self, bits: Tensor) -> None:
-        """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
-        member = ((bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1).bool()  # [B, t, K]
-        added = member.sum(1)
-        need = int((self.count + added).max()) if member.numel() else 0
+    @property
+    def count(self) -> Tensor:
+        return torch.tensor(self.counts, dtype=torch.long, device=self.index.device)
+
+    def _reserve(self, need: int) -> None:
         if need > self.index.shape[2]:
             grown = self.index.new_zeros(*self.index.shape[:2], max(need, 2 * self.index.shape[2]))
             grown[:, :, : self.index.shape[2]] = self.index
             self.index = grown
-        slot = self.count[:, None, :] + member.long().cumsum(1) - 1  # [B, t, K]
+
+    def append(self, bits: Tensor) -> None:
+        """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
+        if bits.shape[1] == 1:  # decoding: a few scalar writes
+            words = bits[:, 0].tolist()
+            self._reserve(max(max(row) for row in self.counts) + 1)
+            for b, word in enumerate(words):
+                for c in range(self.n_groups):
+                    if (word >> c) & 1:
+                        self.index[b, c, self.counts[b][c]] = self.length
+                        self.counts[b][c] += 1
+            self.length += 1
+            return
+        member = ((bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1).bool()  # [B, t, K]
+        count = self.count
+        added = member.sum(1)
+        self._reserve(int((count + added).max()) if member.numel() else 0)
+        slot = count[:, None, :] + member.long().cumsum(1) - 1  # [B, t, K]
         b, i, c = member.nonzero(as_tuple=True)
         self.index[b, c, slot[b, i, c]] = self.length + i
-        self.count += added
+        self.counts = (count + added).tolist()
         self.length += bits.shape[1]
 
     def members(self, b: int, c: int, count: int) -> Tensor:
         return self.index[b, c, :count]
+
+
+class GroupRows:
+    """Per (sequence, group): the keys and values of the group's members, contiguous and in position order, copied
+    from the KV cache as tokens arrive (``sync``). CPU decoding then reads a group's far keys as one slice instead of
+    gathering them every step. Costs top_k times the raw keys and values (plus growth room)."""
+
+    def __init__(self, batch: int, n_groups: int):
+        self.k: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
+        self.v: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
+        self.stored = [[0] * n_groups for _ in range(batch)]
+
+    def sync(self, lists: GroupLists, k: Tensor, v: Tensor) -> None:
+        """Copy in the members the lists gained since the last call (k, v: [B, Hkv, Tk, D], the cache so far)."""
+        for b, row in enumerate(lists.counts):
+            for c, count in enumerate(row):
+                have = self.stored[b][c]
+                if count == have:
+                    continue
+                new = lists.members(b, c, count)[have:]
+                kb, vb = self.k[b][c], self.v[b][c]
+                if kb is None or kb.shape[1] < count:
+                    cap = max(count + 64, int(1.5 * (0 if kb is None else kb.shape[1])))
+                    grown_k = k.new_empty(k.shape[1], cap, k.shape[3])
+                    grown_v = v.new_empty(v.shape[1], cap, v.shape[3])
+                    if kb is not None:
+                        grown_k[:, :have], grown_v[:, :have] = kb[:, :have], vb[:, :have]
+                    self.k[b][c], self.v[b][c] = kb, vb = grown_k, grown_v
+                if new.numel() == 1:  # decoding: one row, no gather
+                    kb[:, have] = k[b, :, int(new)]
+                    vb[:, have] = v[b, :, int(new)]
+                else:
+                    kb[:, have:count] = take_rows(k, b, new)
+                    vb[:, have:count] = take_rows(v, b, new)
+                self.stored[b][c] = count
+
+
+def cpu_decode_hard_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    bits_q: Tensor,
+    bits_k: Tensor,
+    lists: GroupLists,
+    window: int,
+    scale: float,
+) -> Tensor:
+    """``decode_hard_attention`` on the CPU kernel, reading each of the token's groups' far keys as one contiguous
+    slice of ``GroupRows`` (kept in ``lists.rows``) and the window as a slice of the cache; the parts (window, one per
+    group) merge by logsumexp. With top_k > 1 a far key also in a lower group of the token is masked in the higher
+    one. No autograd (the kernel's logsumexp has no gradient): the caller uses ``decode_hard_attention`` then."""
+    b_size, tk = q.shape[0], k.shape[2]
+    lo = max(0, tk - window)  # keys [lo, tk) are inside the window: all allowed
+    if lists.rows is None:
+        lists.rows = GroupRows(b_size, lists.n_groups)
+    lists.rows.sync(lists, k, v)
+    counts = lists.counts
+    outs = []
+    for b in range(b_size):
+        own = int(bits_q[b, 0])
+        qb = q[b : b + 1]
+        o, lse = _FWD(qb, k[b : b + 1, :, lo:], v[b : b + 1, :, lo:], 0.0, False, scale=scale)
+        parts = [(o, lse)]
+        for c in range(lists.n_groups):
+            if not (own >> c) & 1:
+                continue
+            idx = lists.members(b, c, counts[b][c])
+            n_far = int(torch.searchsorted(idx, lo))  # members before the window
+            if n_far == 0:
+                continue
+            mask = None
+            lower = own & ((1 << c) - 1)
+            if lower:  # a key also in a lower group of the token was taken there
+                dup = (bits_k[b, idx[:n_far]] & lower) != 0
+                if bool(dup.all()):
+                    continue
+                mask = _additive(~dup, q.dtype)[None, None, None]
+            kc, vc = lists.rows.k[b][c][None, :, :n_far], lists.rows.v[b][c][None, :, :n_far]
+            parts.append(_FWD(qb, kc, vc, 0.0, False, attn_mask=mask, scale=scale))
+        if len(parts) == 1:
+            outs.append(o)
+            continue
+        weights = torch.softmax(torch.stack([p[1] for p in parts]), dim=0)  # [P, 1, H, 1]
+        outs.append((torch.stack([p[0] for p in parts]) * weights[..., None]).sum(0).to(q.dtype))
+    return torch.cat(outs, 0)
 
 
 def decode_hard_attention(
@@ -509,7 +626,7 @@ def decode_hard_attention(
     b_size, tk = q.shape[0], k.shape[2]
     p = tk - 1
     lo = max(0, p - window + 1)  # keys [lo, p] are inside the window: all allowed
-    counts = lists.count.tolist()
+    counts = lists.counts
     near = torch.arange(lo, tk, device=q.device)
     outs = []
     for b in range(b_size):
@@ -525,7 +642,7 @@ def decode_hard_attention(
                 idx = idx[(bits_k[b, idx] & lower) == 0]
             far.append(idx)
         keys = torch.cat([*far, near])
-        kb, vb = k[b][:, keys][None], v[b][:, keys][None]  # (index_select would copy the strided cache view)
+        kb, vb = take_rows(k, b, keys)[None], take_rows(v, b, keys)[None]
         outs.append(
             F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1])
         )
@@ -546,7 +663,15 @@ def _group_layout(bits: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
 
 
 def group_block_mask_tensors(
-    group_q: Tensor, pos_q: Tensor, group_k: Tensor, pos_k: Tensor, *, full_ok: bool, block: int = FLEX_BLOCK
+    group_q: Tensor,
+    pos_q: Tensor,
+    group_k: Tensor,
+    pos_k: Tensor,
+    *,
+    n_groups: int,
+    n_positions: int,
+    full_ok: bool,
+    block: int = FLEX_BLOCK,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Block structure of the group call from the group counts: (kv_num_blocks, kv_indices, full_kv_num_blocks,
     full_kv_indices), shapes [B, 1, nq] and [B, 1, nq, nk].
@@ -554,11 +679,11 @@ def group_block_mask_tensors(
     Query slot (c, position p) attends key slots of group c with position <= p: the slot range
     [start_c, start_c + count of c's keys at positions <= p). A query block's key blocks are the span of its slots'
     ranges; a key block is full when the query block is all one group, the key block lies inside that group's range
-    and precedes the query block's first position (and ``full_ok``: no lowest-shared-group masking).
+    and precedes the query block's first position (and ``full_ok``: no lowest-shared-group masking). Positions are
+    below ``n_positions``. Tensor work of O(B (N / block)^2) at most; no host synchronisation.
     """
     bsz, nq_slots = group_q.shape
     nk_slots = group_k.shape[1]
-    n_groups = int(max(int(group_q.max()), int(group_k.max()))) + 1
     dev = group_q.device
     counts_k = torch.zeros(bsz, n_groups, dtype=torch.long, device=dev).scatter_add_(
         1, group_k, torch.ones_like(group_k)
@@ -567,7 +692,7 @@ def group_block_mask_tensors(
     # keys of group c at positions <= p: the number of c's key slots with pos <= p, by a searchsorted per group
     slot_start = starts_k.gather(1, group_q)  # [B, Nq]
     # key slot positions are ascending within a group: search p in the (group, position) order as one key g * P + p
-    big = int(max(int(pos_q.max()), int(pos_k.max()))) + 1
+    big = n_positions
     key_order = group_k * big + pos_k  # ascending along slots
     hi = torch.searchsorted(key_order, group_q * big + pos_q, right=True)  # [B, Nq]: one past the last allowed key
     nq = (nq_slots + block - 1) // block
@@ -667,7 +792,9 @@ def flex_hard_attention(
             keep = keep & ((sbits_q[b, qi] & sbits_k[b, kv] & lower_q[b, qi]) == 0)
         return keep
 
-    kvn, kvi, fkvn, fkvi = group_block_mask_tensors(grp_q, pos_q, grp_k, pos_k, full_ok=top_k == 1)
+    kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
+        grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=tk, full_ok=top_k == 1
+    )
     group_mask = BlockMask.from_kv_blocks(
         kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1])
     )

@@ -32,13 +32,13 @@ def sinkhorn_prefix(scores: Tensor, iters: int, state: Tensor | None = None) -> 
     """
     log = scores
     masses = []
+    single = scores.shape[1] == 1  # decoding: the cumulative sum over one token is the token
     for n in range(iters):
-        cum = torch.logcumsumexp(log, dim=1)
+        cum = log if single else torch.logcumsumexp(log, dim=1)
         if state is not None:
             cum = torch.logaddexp(cum, state[:, n, None, :])
         masses.append(cum[:, -1])
-        log = log - cum
-        log = log - torch.logsumexp(log, dim=-1, keepdim=True)
+        log = torch.log_softmax(log - cum, dim=-1)
     return log.exp(), torch.stack(masses, dim=1)
 
 

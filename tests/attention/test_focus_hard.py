@@ -29,6 +29,7 @@ from model.attention.focus_hard import (
     GroupLists,
     _group_layout,
     band_block_mask_tensors,
+    cpu_decode_hard_attention,
     cpu_hard_attention,
     decode_hard_attention,
     flex_hard_attention,
@@ -156,9 +157,10 @@ def test_cpu_path_chunked_prefill_and_decode(top_k, split):
 
 
 # ---- decode from per-group index lists ---------------------------------------------------------------------------
+@pytest.mark.parametrize("decode", [decode_hard_attention, cpu_decode_hard_attention], ids=["gather", "cpu-rows"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["balanced", "collapsed"])
-def test_decode_from_group_lists_equals_dense(top_k, kind):
+def test_decode_from_group_lists_equals_dense(top_k, kind, decode):
     b, t, n_groups = 2, 200, 4
     q, k, v = inputs(b, t, torch.float64, seed=3)
     bits = memberships(kind, b, t, n_groups, top_k, seed=top_k + 20)
@@ -168,7 +170,7 @@ def test_decode_from_group_lists_equals_dense(top_k, kind):
         lists.append(bits[:, :170])
         for p in range(170, t):
             lists.append(bits[:, p : p + 1])
-            out = decode_hard_attention(
+            out = decode(
                 q[:, :, p : p + 1],
                 k[:, :, : p + 1],
                 v[:, :, : p + 1],
@@ -304,7 +306,9 @@ def test_flex_block_masks_cover_the_allowed_pairs_and_skip_the_rest(n_groups, to
         tok_q, grp_q = _group_layout(bits_q, n_groups)
         tok_k, grp_k = _group_layout(bits, n_groups)
         pos_q, pos_k = tok_q + start, tok_k
-        kvn, kvi, fkvn, fkvi = group_block_mask_tensors(grp_q, pos_q, grp_k, pos_k, full_ok=top_k == 1)
+        kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
+            grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=t, full_ok=top_k == 1
+        )
         sq, sk = bits_q.gather(1, tok_q), bits.gather(1, tok_k)
         lower = (torch.ones_like(grp_q) << grp_q) - 1
         allowed = (grp_q[:, :, None] == grp_k[:, None, :]) & (pos_k[:, None, :] <= pos_q[:, :, None])
