@@ -167,7 +167,8 @@ class TiktokenTokenizer(Tokenizer):
         name = self.path.stem
         if name not in self.ENCODINGS or not hasattr(public, name):
             raise ConfigError(
-                f"data.tokenizer: {path} must be named after its encoding: one of {', '.join(e + '.tiktoken' for e in self.ENCODINGS)}"
+                f"data.tokenizer: {path} must be named after its encoding: one of "
+                f"{', '.join(e + '.tiktoken' for e in self.ENCODINGS)}"
             )
         data = self.path.read_bytes()
         self.fingerprint = hashlib.sha256(data).hexdigest()
@@ -328,7 +329,8 @@ def train_sentencepiece(texts: Iterable[str], *, vocab_size: int, out_path: Path
         raise ConfigError(f"--model-type: {model_type!r} is not one of {', '.join(MODEL_TYPES)}")
     if vocab_size < MIN_TRAINED_VOCAB:
         raise ConfigError(
-            f"data.vocab_size: {vocab_size} is too small for a trained tokenizer; must be >= {MIN_TRAINED_VOCAB} (256 byte pieces + specials)"
+            f"data.vocab_size: {vocab_size} is too small for a trained tokenizer; must be >= {MIN_TRAINED_VOCAB} (256 "
+            "byte pieces + specials)"
         )
     out_path = Path(out_path)
     out_path.parent.mkdir(parents=True, exist_ok=True)
@@ -377,7 +379,8 @@ def get_tokenizer(
         tok = load_tokenizer(cfg.tokenizer)
         if tok.vocab_size > vocab_size:
             raise ConfigError(
-                f"model.vocab_size: {vocab_size} is smaller than the {tok.vocab_size} tokens of data.tokenizer ({cfg.tokenizer})"
+                f"model.vocab_size: {vocab_size} is smaller than the {tok.vocab_size} tokens of data.tokenizer "
+                f"({cfg.tokenizer})"
             )
         return tok
     size = cfg.vocab_size or vocab_size

@@ -22,7 +22,7 @@ SCALING_TYPES = ("none", "linear", "ntk", "dynamic_ntk", "yarn", "llama3")  # mo
 class RopeConfig:
     """Rotary embedding settings (``model.rope.*``); see model/rope.py for each scaling type."""
 
-    theta: float = 10000.0
+    theta: float = 10000.0  # rotary base frequency
     scaling: str = "none"  # none | linear | ntk | dynamic_ntk | yarn | llama3
     factor: float = 0.0  # context extension factor; 0 = the type's default (llama3: 8, others: 1)
     original_max_seq_len: int = 0  # pretraining length; 0 = llama3: 8192, others: max_seq_len / factor
@@ -55,7 +55,7 @@ class AttentionConfig:
     registry, so a new variant needs no edit here.
     """
 
-    kind: str = "full"
+    kind: str = "full"  # the attention variant: a name of the registry (full, focus, lazy ...)
     # auto: the variant picks its fastest exact path for the device; reference: the dense T x T path
     impl: str = "auto"
     options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
@@ -84,22 +84,22 @@ class AttentionConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = "llama"
-    vocab_size: int = 32000
-    max_seq_len: int = 2048
-    d_model: int = 768
-    n_layers: int = 12
-    n_heads: int = 12
+    family: str = "llama"  # gpt2 (LayerNorm, GELU, learned positions) | llama (RMSNorm, SwiGLU, RoPE)
+    vocab_size: int = 32000  # embedding rows (>= the tokenizer's size; may be padded)
+    max_seq_len: int = 2048  # longest context (positions, caches)
+    d_model: int = 768  # hidden size
+    n_layers: int = 12  # transformer blocks
+    n_heads: int = 12  # query heads
     n_kv_heads: int = 0  # 0 = n_heads (no GQA)
     d_ff: int = 0  # 0 = the family's rule (4d for gpt2, 2/3*4d rounded up to 256 for llama)
-    norm_eps: float = 1e-5
-    qk_norm: bool = False
-    tie_embeddings: bool = False
-    bias: bool = False
+    norm_eps: float = 1e-5  # LayerNorm / RMSNorm epsilon
+    qk_norm: bool = False  # RMSNorm on queries and keys per head
+    tie_embeddings: bool = False  # the LM head shares the token embedding
+    bias: bool = False  # biases on every linear layer (GPT-2)
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2); model.bias puts them on every linear layer
-    dropout: float = 0.0
-    init_std: float = 0.02
-    preset: str = ""
+    dropout: float = 0.0  # dropout on attention output, MLP and embeddings (0 = none)
+    init_std: float = 0.02  # standard deviation of the normal weight init
+    preset: str = ""  # a named shape (tiny, gpt2-124m ... llama-7b); other model.* keys override it
     rope: RopeConfig = field(default_factory=RopeConfig)
     attention: AttentionConfig = field(default_factory=AttentionConfig)
 

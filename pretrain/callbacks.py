@@ -84,7 +84,7 @@ class Validation(Callback):
             trainer.validate()
 
     def post_train(self, trainer: Trainer) -> None:
-        if trainer.finished and (not self.every or trainer.step % self.every):
+        if trainer.finished and (not self.every or trainer.step % self.every) and not trainer.stop_requested():
             trainer.validate()
 
 
@@ -103,13 +103,14 @@ class LmEvalTasks(Callback):
             trainer.evaluate_tasks()
 
     def post_train(self, trainer: Trainer) -> None:
-        if trainer.finished and not self._due(trainer.step):
+        if trainer.finished and not self._due(trainer.step) and not trainer.stop_requested():
             trainer.evaluate_tasks()
 
 
 class Checkpointer(Callback):
     """A checkpoint every ``checkpoint.every`` steps (not at the last step: the final save covers
-    it) and always at the end, whatever ended the run."""
+    it) and at the end when there is unsaved progress, whatever ended the run (never after a
+    non-finite step: the newest checkpoint is the last good state)."""
 
     def __init__(self, every: int):
         self.every = every
@@ -119,19 +120,17 @@ class Checkpointer(Callback):
             trainer.save()
 
     def post_train(self, trainer: Trainer) -> None:
-        trainer.save()
+        if not trainer.error and trainer.step > trainer.saved_step:
+            trainer.save()
 
 
 class PreemptionMarker(Callback):
-    """``<run.dir>/preempted`` after a preemption's checkpoint (the sbatch script requeues on it);
-    a stale one is removed when a run starts."""
-
-    def pre_train(self, trainer: Trainer) -> None:
-        if trainer.engine.is_main:
-            (trainer.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+    """``<run.dir>/preempted`` after a preemption's checkpoint (the sbatch script requeues on it;
+    the trainer's set-up removes it when the requeued job starts)."""
 
     def post_train(self, trainer: Trainer) -> None:
-        if trainer.preempted and trainer.engine.is_main:
+        # a signal during the final work still ends as a preemption (checked by every rank alike)
+        if trainer.stop_requested() and not trainer.signals.interrupted and trainer.engine.is_main:
             atomic_write_text(trainer.run_dir / PREEMPTED_MARKER, f"{trainer.step}\n")
 
 
@@ -145,7 +144,7 @@ class FinalReport(Callback):
     def post_train(self, trainer: Trainer) -> None:
         from eval.perplexity import perplexity
 
-        if not trainer.finished:
+        if not trainer.finished or trainer.stop_requested():
             return
         if trainer.last_val is not None and trainer.engine.is_main:
             entropy = trainer.corpus.unigram_entropy

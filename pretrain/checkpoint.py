@@ -100,7 +100,9 @@ def save_checkpoint(
         coord.barrier()  # wait for the rename
         return final
     torch.save(trainer_state, tmp / TRAINER_STATE)
-    info = {"step": step, "time": time.time(), **(meta or {})}
+    # every file's size, so a reader can tell a damaged (truncated, emptied) checkpoint from a good one
+    files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
+    info = {"step": step, "time": time.time(), **(meta or {}), "files": files}
     (tmp / META).write_text(json.dumps(info, indent=2) + "\n")
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step (e.g. stop_at after a periodic save): swap atomically enough

@@ -9,7 +9,11 @@ It never branches on the engine or the attention variant: engines sit behind
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import random
+import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +35,7 @@ from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_fir
 from pretrain.freezing import apply_trainable, check_patterns
 from pretrain.loggers import Loggers
 from pretrain.metrics import peak_flops
-from pretrain.signals import PREEMPTED_EXIT_CODE, PreemptionHandler
+from pretrain.signals import PREEMPTED_MARKER, SignalHandler
 from pretrain.state import TrainState
 from run.config import RunConfig
 
@@ -41,7 +45,12 @@ class TrainResult:
     step: int
     tokens: int
     val_loss: float | None
-    exit_code: int  # 0 done or stopped at train.stop_at; PREEMPTED_EXIT_CODE after a signal
+    exit_code: int  # 0 done or stopped at train.stop_at; 75 / 130 after a signal; NONFINITE_EXIT_CODE
+    error: str = ""  # one line, when the run stopped on a failure
+
+
+NONFINITE_EXIT_CODE = 3  # a non-finite loss or gradient norm stopped the run (train.nonfinite)
+LOCK_FILE = ".lock"
 
 
 def seed_everything(seed: int) -> None:
@@ -68,20 +77,25 @@ class Trainer:
     """Steps the model and calls its callbacks (``pretrain.callbacks``); ``callbacks=None`` is the
     standard set for ``cfg``."""
 
-    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None):
+    def __init__(self, cfg: RunConfig, callbacks: list[Callback] | None = None, signals: SignalHandler | None = None):
         self.cfg = cfg
         self.run_dir = cfg.run_dir
         self.callbacks = default_callbacks(cfg, report=False) if callbacks is None else callbacks
+        # None: the trainer catches signals only while it runs (pretrain.train installs one for the process)
+        self.signals = signals
         self.step = 0
         self.tokens = 0
+        self.saved_step = -1  # the step of the newest checkpoint this run has (restored or written)
         self.last_val: float | None = None
         self.stop = cfg.train.stop_at or cfg.train.max_steps
         self.preempted = False
+        self.error = ""  # a failure that stopped the run (non-finite values)
+        self.nonfinite_streak = 0
 
     @property
     def finished(self) -> bool:
-        """Trained to train.max_steps (not stopped early by a signal or train.stop_at)."""
-        return not self.preempted and self.step == self.cfg.train.max_steps
+        """Trained to train.max_steps (not stopped early by a signal, a failure or train.stop_at)."""
+        return not self.preempted and not self.error and self.step == self.cfg.train.max_steps
 
     def _call(self, hook: str, *args) -> None:
         for callback in self.callbacks:
@@ -89,8 +103,9 @@ class Trainer:
 
     # ---- setup ----------------------------------------------------------------------
     def setup(self) -> None:
+        """Everything that can fail on bad input runs before the run directory is touched; the
+        directory is written only after the resume (if any) has been validated."""
         cfg = self.cfg
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = prepare_device(cfg.train)
         seed_everything(cfg.train.seed)
         with rank_zero_first():
@@ -126,9 +141,7 @@ class Trainer:
         self.eval_batch_size = cfg.eval.batch_size or micro
         self.flops_per_token = flops_per_token(cfg.model, cfg.data.seq_len)["flops_per_token"]
         self.peak = peak_flops(self.device)
-        if self.engine.is_main:
-            self.corpus.tokenizer.save(self.run_dir)
-            atomic_write_text(self.run_dir / "config.toml", cfg.to_toml())
+        self._take_run_dir()
         self.loggers = Loggers(
             self.run_dir,
             cfg.log,
@@ -137,6 +150,43 @@ class Trainer:
             enabled=self.engine.is_main,
         )
         self._restore()
+        if self.engine.is_main:  # the resume is valid: now the run directory may change
+            (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this start is the requeued job
+            self.corpus.tokenizer.save(self.run_dir)
+            toml = cfg.to_toml()
+            config_file = self.run_dir / "config.toml"
+            if not config_file.is_file() or config_file.read_text() != toml:
+                atomic_write_text(config_file, toml)
+        if self.signals is not None:
+            self.signals.defer()  # from here on a signal checkpoints at the next step boundary
+
+    def _take_run_dir(self) -> None:
+        """Create run.dir and hold its lock (rank 0) for the life of the process: a second live trainer
+        on the same directory is refused; a dead one's lock is released by the OS."""
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            if not self.engine.is_main:
+                return
+            self._lock = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
+        except OSError as exc:
+            raise ConfigError(f"run.dir: cannot write {self.run_dir} ({exc.strerror})") from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.seek(0)
+            owner = self._lock.read().strip() or "another process"
+            raise ConfigError(f"run.dir: another trainer ({owner}) is running in {self.run_dir}") from None
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        self._lock.flush()
+
+    def release_run_dir(self) -> None:
+        """Let another trainer take run.dir (the process exiting does the same)."""
+        lock = getattr(self, "_lock", None)
+        if lock is not None:
+            lock.close()
+            self._lock = None
 
     def _apply_trainable(self) -> None:
         counts = apply_trainable(self.model, self.cfg.train, self.step)
@@ -196,6 +246,7 @@ class Trainer:
         if path is None:
             if self.cfg.train.init_from:
                 self._init_from(self.cfg.train.init_from)
+            self.loggers.truncate_after(0)  # a restart before the first checkpoint: its metrics are stale
             return
         state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
         if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
@@ -208,6 +259,7 @@ class Trainer:
         self.loader.load_state_dict(state.loader)
         set_rng_state(state.rng_for(self.engine.rank, self.engine.world_size))
         self.step, self.tokens = state.step, state.tokens
+        self.saved_step = state.step
         self.loggers.truncate_after(self.step)
         self._say(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
 
@@ -216,7 +268,11 @@ class Trainer:
         if self.engine.is_main:
             self.corpus.tokenizer.save(directory)  # a checkpoint is self-contained for evaluation
 
-    def save(self) -> Path:
+    def save(self) -> Path | None:
+        """A checkpoint of the current state; refused (the run stops) if any weight is not finite."""
+        if not self._weights_finite():
+            self.error = f"train.nonfinite: non-finite weights at step {self.step}; no checkpoint written"
+            return None
         path = ckpt.save_checkpoint(
             self.run_dir,
             self.step,
@@ -226,9 +282,14 @@ class Trainer:
             meta={"tokens": self.tokens},
             coord=self.engine,
         )
+        self.saved_step = self.step
         self._say(f"checkpoint saved: {path}")
         self._call("post_checkpoint", path)
         return path
+
+    def _weights_finite(self) -> bool:
+        bad = sum(int(not bool(torch.isfinite(p.detach()).all())) for p in self.model.parameters())
+        return self._agree(float(bad)) == 0
 
     # ---- steps ----------------------------------------------------------------------
     def validate(self) -> float | None:
@@ -296,9 +357,16 @@ class Trainer:
                 aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
             for key, value in out.stats.items():
                 stats[key] = stats.get(key, 0.0) + value / len(micro)
-        grad_norm = self.engine.optimizer_step(self.cfg.train.grad_clip)
+        grad_norm = self.engine.clip_gradients(self.cfg.train.grad_clip)
+        # every rank must agree: one all-reduce (and host sync) of the two checks per step
+        nonfinite = self._agree(float(not bool(torch.isfinite(loss_sum))) + float(not bool(torch.isfinite(grad_norm))))
+        self.engine.apply_update(skip=nonfinite > 0)
         self.step += 1
         self.tokens += n_global
+        if nonfinite:
+            self._nonfinite_step(grad_norm)
+        else:
+            self.nonfinite_streak = 0
         if not log_step:
             return {}
         record = {
@@ -318,40 +386,70 @@ class Trainer:
         return record
 
     def run(self) -> TrainResult:
-        """step -> callbacks, until train.stop_at / train.max_steps or a preemption signal."""
+        """step -> callbacks, until train.stop_at / train.max_steps, a signal or a non-finite step."""
         cfg = self.cfg.train
         if self.step >= self.stop:
             self._say(f"nothing to do: the run is at step {self.step} (stop at {self.stop})")
+            self.release_run_dir()
             return TrainResult(self.step, self.tokens, None, 0)
         first = self.step  # the first step after (re)start is always logged
         self.model.train()
-        self._call("pre_train")
-        with PreemptionHandler() as preempt:
-            while self.step < self.stop:
-                if self._stop_requested(preempt):
+        own = self.signals is None  # embedded use (benchmarks): catch signals only while running
+        signals = self.signals = self.signals or SignalHandler(deferred=True)
+        with signals if own else contextlib.nullcontext():
+            self._call("pre_train")
+            while self.step < self.stop and not self.error:
+                if self.stop_requested():
                     break
                 last = self.step + 1 == self.stop
                 log_step = self.step == first or (self.step + 1) % cfg.log_every == 0 or last
                 self._call("pre_step")
                 record = self.train_step(log_step)
                 self._call("post_step", record)
-            self.preempted = self.step < self.stop and self._stop_requested(preempt)
-        if self.preempted:
-            self._say(
-                f"preemption signal{'' if preempt.received is None else ' ' + str(preempt.received)}: saving at step "
-                f"{self.step} and exiting with {PREEMPTED_EXIT_CODE}"
-            )
-        self._call("post_train")
-        self.loggers.close()
-        return TrainResult(self.step, self.tokens, self.last_val, PREEMPTED_EXIT_CODE if self.preempted else 0)
+            self._call("post_train")  # signals here wait for the final checkpoint
+            self.loggers.close()
+        if own:
+            self.signals = None
+        self.release_run_dir()
+        code = NONFINITE_EXIT_CODE if self.error else signals.exit_code if self.preempted else 0
+        return TrainResult(self.step, self.tokens, self.last_val, code, self.error)
 
-    def _stop_requested(self, preempt: PreemptionHandler) -> bool:
-        """Whether any rank got a preemption signal: signals reach ranks at different moments,
-        and every rank must stop (and save) at the same step. One scalar all-reduce per step."""
+    def stop_requested(self) -> bool:
+        """Whether any rank got a signal. Signals reach ranks at different moments and every rank must
+        stop (and save) at the same point: one scalar all-reduce, so every rank calls this alike."""
+        if self.signals is None:
+            return False
+        if self._agree(float(self.signals.requested)) == 0:
+            return False
+        if not self.preempted:
+            self.preempted = True
+            what = "interrupted" if self.signals.interrupted else "preemption signal"
+            self._say(
+                f"{what} ({self.signals.describe() or 'another rank'}): saving at step {self.step} and exiting "
+                f"with {self.signals.exit_code}"
+            )
+        return True
+
+    def _agree(self, value: float) -> float:
+        """``value`` summed over ranks (itself in one process)."""
         if self.engine.world_size == 1:
-            return preempt.requested
-        flag = torch.tensor([float(preempt.requested)], device=self.device)
-        return bool(self.engine.all_reduce_sum(flag).item() > 0)
+            return value
+        return float(self.engine.all_reduce_sum(torch.tensor([value], dtype=torch.float64, device=self.device)))
+
+    def _nonfinite_step(self, grad_norm: torch.Tensor) -> None:
+        cfg = self.cfg.train
+        self.nonfinite_streak += 1
+        what = f"non-finite loss or gradient norm at step {self.step} (grad_norm {float(grad_norm):.4g})"
+        if cfg.nonfinite == "skip" and self.nonfinite_streak <= cfg.nonfinite_skips:
+            self._say(
+                f"warning: {what}: update skipped ({self.nonfinite_streak} in a row, at most {cfg.nonfinite_skips})"
+            )
+            return
+        newest = f"step {self.saved_step}" if self.saved_step >= 0 else "none yet"
+        policy = "train.nonfinite = skip skips such steps" if cfg.nonfinite == "stop" else "too many in a row"
+        self.error = (
+            f"train.nonfinite: {what}; stopped without saving this state (newest checkpoint: {newest}; {policy})"
+        )
 
     def sample(self, max_new_tokens: int, prompt: str = "") -> str:
         """A short generated continuation, for the console (seeded: the same run prints the same sample)."""

@@ -1,18 +1,45 @@
-"""``python -m pretrain.train --config FILE [--set key=value ...]``: train (or resume) a run."""
+"""``python -m pretrain.train --config FILE [--set key=value ...]``: train (or resume) a run.
+
+This module imports only what parsing the command line needs, so signals are caught from the
+first moment (torch and the model come in under the handler, see ``main``)."""
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from core import configlib
 from core.errors import ConfigError
-from run.config import load_run_config
+from core.files import atomic_write_text
+from pretrain.signals import PREEMPTED_MARKER, Preempted, SignalHandler
+
+
+class _HelpConfig(argparse.Action):
+    """``--help-config``: every config key with its type, default and meaning, then exit."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from core.config_help import render
+        from run.config import RunConfig
+
+        print(render(RunConfig()))
+        parser.exit()
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m pretrain.train", description=__doc__)
-    p.add_argument("--config", help="TOML run config (see launch/configs/)")
+    p = argparse.ArgumentParser(
+        prog="python -m pretrain.train",
+        description=__doc__,
+        epilog="The demo: python -m pretrain.train --config launch/configs/tiny.toml. "
+        "Every config key: python -m pretrain.train --help-config.",
+    )
+    # required: without a file every key takes its default, which is a 124M-class run (not a demo)
+    p.add_argument("--config", required=True, help="TOML run config (see launch/configs/)")
+    p.add_argument("--help-config", action=_HelpConfig, help="list every config key (type, default, meaning) and exit")
     configlib.add_set_argument(p, "dotted override, repeatable: --set train.max_steps=200")
     p.add_argument("--dry-run", action="store_true", help="validate the config, print it resolved and exit")
     p.add_argument(
@@ -28,35 +55,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Signals are caught for the whole process: before training has progress they stop it at once
+    (exit 75, or 130 for Ctrl-C), after it they checkpoint first (pretrain.signals)."""
     args = parse_args(argv)
-    try:
-        cfg = load_run_config(args.config, args.overrides)
-        if args.dry_run:
-            print(cfg.to_toml(), end="")
-            return 0
-        if args.print_key:
-            print(_resolved(cfg, args.print_key))
-            return 0
-        from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
-        from pretrain.loop import Trainer
+    with SignalHandler() as signals:
+        run_dir = _run_dir_of(args)  # cheap: the requeue marker's place, should a signal come early
+        try:
+            from run.config import load_run_config  # torch and the model: imported with the signals caught
 
-        trainer = Trainer(cfg, callbacks=default_callbacks(cfg))
-        trainer.setup()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+            cfg = load_run_config(args.config, args.overrides)
+            if args.dry_run:
+                print(cfg.to_toml(), end="")
+                return 0
+            if args.print_key:
+                print(_resolved(cfg, args.print_key))
+                return 0
+            return _train(cfg, signals)
+        except ConfigError as exc:  # a loader worker's error arrives wrapped in its traceback: its last line
+            print(f"error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
+            _leave_process_group()
+            return 2
+        except Preempted as exc:
+            return _preempted_before_training(exc, signals, run_dir)
+        except BaseException:
+            _leave_process_group()  # no barrier: the other ranks may be gone
+            raise
+
+
+def _train(cfg, signals: SignalHandler) -> int:
+    from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
+    from pretrain.loop import Trainer
+
+    trainer = Trainer(cfg, callbacks=default_callbacks(cfg), signals=signals)
+    trainer.setup()
+    result = trainer.run()
+    if result.error:
+        print(f"error: {result.error}", file=sys.stderr)
         _leave_process_group()
-        return 2
-    try:
-        result = trainer.run()
-    except ConfigError as exc:  # data found wanting mid-run; a loader worker's error arrives wrapped in its traceback
-        print(f"error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
-        _leave_process_group()
-        return 2
-    except BaseException:
-        _leave_process_group()  # no barrier: the other ranks may be gone
-        raise
+        return result.exit_code
     trainer.engine.close()
     return result.exit_code
+
+
+def _preempted_before_training(exc: Preempted, signals: SignalHandler, run_dir) -> int:
+    """A signal during set-up: nothing to save. A preemption still leaves the requeue marker."""
+    if signals.interrupted:
+        print(f"interrupted ({exc}) before training started: nothing to save", file=sys.stderr)
+    else:
+        print(f"preemption signal ({exc}) before training started: nothing to save; requeue", file=sys.stderr)
+        if run_dir is not None and _is_main_rank():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(run_dir / PREEMPTED_MARKER, "0\n")
+    _leave_process_group()
+    return signals.exit_code
+
+
+def _run_dir_of(args: argparse.Namespace) -> Path | None:
+    """run.dir from the file and the overrides alone (no validation, no heavy imports)."""
+    try:
+        data = configlib.load_toml(args.config)
+        for assignment in args.overrides:
+            configlib.apply_override(data, assignment)
+        return Path(data.get("run", {}).get("dir", "runs/default"))
+    except (ConfigError, OSError, AttributeError, TypeError):
+        return None  # the full load says what is wrong
+
+
+def _is_main_rank() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _resolved(cfg, key: str) -> str:
@@ -75,9 +141,8 @@ def _resolved(cfg, key: str) -> str:
 def _leave_process_group() -> None:
     """Destroy the process group before the interpreter tears down: gloo work still holding
     tensors at finalisation aborts the process (SIGABRT) instead of exiting with our code."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
+    dist = sys.modules.get("torch.distributed")  # never import it here: a signal may have cut torch's import short
+    if dist is not None and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
 

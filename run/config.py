@@ -31,6 +31,7 @@ EVAL_DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
 DEFAULT_DATA_DIR = "~/.cache/focused_pretrain/eval_data"  # used when it exists and nothing else is given
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
+NONFINITE_POLICIES = ("stop", "skip")
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
@@ -51,8 +52,12 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
 
 @dataclass
 class RunSection:
-    dir: str = "runs/default"
+    dir: str = "runs/default"  # the run directory: config, checkpoints, metrics, logs
     name: str = ""  # display name for loggers; "" = the directory's name
+
+    def validate(self) -> None:
+        if not self.dir.strip():
+            raise ConfigError("run.dir: must name a directory (it holds the checkpoints, logs and config)")
 
 
 @dataclass
@@ -62,20 +67,20 @@ class TrainConfig:
     stop_at: int = 0  # > 0: checkpoint and stop at this step, schedule unchanged (as a preemption would)
     batch_size: int = 32  # global sequences per optimizer step, whatever the world size
     micro_batch_size: int = 0  # per rank per forward; 0 = batch_size / world size (no accumulation)
-    lr: float = 3e-4
+    lr: float = 3e-4  # peak learning rate
     min_lr_ratio: float = 0.1  # the schedule's floor, as a fraction of lr
-    warmup_steps: int = 100
-    schedule: str = "cosine"
+    warmup_steps: int = 100  # linear warm-up steps
+    schedule: str = "cosine"  # cosine | linear | constant | wsd (warm-up, stable, decay)
     decay_fraction: float = 0.2  # wsd: share of steps spent decaying at the end
-    weight_decay: float = 0.1
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    beta1: float = 0.9  # AdamW beta1
+    beta2: float = 0.95  # AdamW beta2
+    eps: float = 1e-8  # AdamW epsilon
     grad_clip: float = 1.0  # 0 = no clipping (the norm is still measured)
-    seed: int = 0
+    seed: int = 0  # seeds weights, data order and sampling
     precision: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     device: str = "auto"  # auto | cpu | cuda | cuda:N
-    log_every: int = 10
+    log_every: int = 10  # steps between logged metrics
     compile: bool = False  # torch.compile each transformer block (before FSDP2 wraps it)
     activation_checkpointing: str = "none"  # none | selective (recompute cheap ops) | full (recompute each block)
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
@@ -84,8 +89,12 @@ class TrainConfig:
     # parameter freezing by name pattern (pretrain/freezing.py): trainable = only these train;
     # freeze = these do not; unfreeze_at = from this step on everything trains (two-phase recipes)
     trainable: list[str] = field(default_factory=list)
-    freeze: list[str] = field(default_factory=list)
-    unfreeze_at: int = 0
+    freeze: list[str] = field(default_factory=list)  # parameter-name patterns that do not train
+    unfreeze_at: int = 0  # > 0: from this step on every parameter trains (two-phase recipes)
+    # a non-finite loss or gradient norm: stop (exit 3, no checkpoint of that state) or skip the
+    # step's update (at most nonfinite_skips in a row, then stop)
+    nonfinite: str = "stop"
+    nonfinite_skips: int = 3  # train.nonfinite = skip: consecutive skipped steps before stopping
     # each engine's own options (the table [train.<engine>]), filled from the engine specs
     engine_options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
     # keys that moved into an engine's table: still read, with a one-line note (core.configlib)
@@ -127,6 +136,13 @@ class TrainConfig:
                 f"train.unfreeze_at: not supported with train.engine={self.engine} (the trainable set is fixed "
                 f"when the model is wrapped); engines that support it: {capable}"
             )
+        check_choice("train.nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        check_min("train.nonfinite_skips", self.nonfinite_skips, 1)
+        if self.nonfinite == "skip" and not ENGINE_SPECS[self.engine].skips_updates:
+            raise ConfigError(
+                f"train.nonfinite: 'skip' is not supported with train.engine={self.engine} (it updates inside "
+                "backward); use 'stop'"
+            )
         if self.stop_at > self.max_steps:
             raise ConfigError(f"train.stop_at: {self.stop_at} is past train.max_steps={self.max_steps}")
         check_min("train.lr", self.lr, 0, strict=True)
@@ -153,7 +169,7 @@ class EvalConfig:
     batches: int = 20  # validation batches per pass
     batch_size: int = 0  # 0 = train.micro_batch_size
     sample_prompt: str = ""  # "" = the start of the first validation document
-    sample_tokens: int = 64
+    sample_tokens: int = 64  # tokens of the sample printed at the end (0 = none)
     # lm-eval tasks in the loop (eval/harness.py: hellaswag, arc_easy, lambada_openai, ...), results
     # in metrics.jsonl as eval/<task>/<metric>; every rank runs them (sharded engines need that)
     tasks: list[str] = field(default_factory=list)
@@ -180,11 +196,11 @@ class EvalConfig:
 
 @dataclass
 class LogConfig:
-    tensorboard: bool = True
+    tensorboard: bool = True  # TensorBoard event files in <run.dir>/tb
     wandb: str = "offline"  # offline unless configured; online needs WANDB_API_KEY in the environment
-    wandb_project: str = "focused-pretrain"
-    wandb_entity: str = ""
-    console: bool = True
+    wandb_project: str = "focused-pretrain"  # W&B project ("" = the default)
+    wandb_entity: str = ""  # W&B entity ("" = the default)
+    console: bool = True  # print metrics to the console
 
     def validate(self) -> None:
         check_choice("log.wandb", self.wandb, WANDB_MODES)
@@ -205,6 +221,7 @@ class RunConfig:
         return Path(self.run.dir)
 
     def validate(self) -> None:
+        self.run.validate()
         self.model.validate()
         self.data.validate()
         self.train.validate()

@@ -50,6 +50,8 @@ class EngineSpec:
     # whatever it derived from requires_grad (gradient buckets, sharded optimizer groups)
     changes_trainable: bool = False
     distributed: bool = False  # needs a process group (torchrun / SLURM); world size 1 still works
+    # can leave out a step's update after seeing its gradients (train.nonfinite = skip)
+    skips_updates: bool = True
     # the engine's own options, the table [train.<name>] (a dataclass with validate(prefix)); None: none
     options_cls: type | None = None
 
@@ -76,6 +78,7 @@ for _spec in (
         "DeepSpeed ZeRO 0-3 (train.deepspeed.zero_stage), optional CPU offload",
         distributed=True,
         options_cls=DeepSpeedOptions,
+        skips_updates=False,  # DeepSpeed steps inside backward's accumulation boundary
     ),
 ):
     register_engine_spec(_spec)

@@ -64,7 +64,7 @@ class DGAConfig(VariantConfig):
     sample_random: int = 16  # ... plus this many random others (fixed seed: decisions are reproducible)
     chunk_size: int = 128  # C, causal form only
     decode_fold: float = 1.1  # sequence-form decode folds a group every m' = ceil(decode_fold * m) tokens
-    seed: int = 0
+    seed: int = 0  # seed of the random importance queries
 
     def validate(self, prefix: str) -> None:
         key = prefix

@@ -28,10 +28,10 @@ SCOPES = ("query", "prefix_mean", "sequence_mean")
 
 @dataclass
 class FocalConfig(VariantConfig):
-    mode: str = "constant"
+    mode: str = "constant"  # constant (a fixed temperature t) | learned (a per-query temperature)
     t: float = 0.4  # constant mode: temperature scale
     tau_min: float = 5.0  # learned mode: clip range of the divisor
-    tau_max: float = 10.0
+    tau_max: float = 10.0  # learned mode: upper clip of the divisor
     scope: str = "query"  # learned mode: query | prefix_mean | sequence_mean (non-causal)
 
     def validate(self, prefix: str) -> None:

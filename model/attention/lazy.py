@@ -43,7 +43,7 @@ BIAS_INITS = ("zeros", "alibi")
 class LazyConfig(VariantConfig):
     max_distance: int = 0  # bias table length; 0 = model.max_seq_len
     bias_init: str = "zeros"  # zeros | alibi (head slopes 2^(-8h/H), as ALiBi)
-    tau_init: float = 1.0
+    tau_init: float = 1.0  # Elastic-Softmax offset tau per head at init
 
     def validate(self, prefix: str) -> None:
         check_min(prefix + "max_distance", self.max_distance, 0, note=" (0 = model.max_seq_len)")

@@ -58,13 +58,13 @@ class PrescoredHyperConfig(VariantConfig):
     top_k: int = 2048  # keys kept per batch row and KV head; >= the key count keeps all
     min_keys: int = 32  # fewer survivors than this: plain HyperAttention over all keys (top_k = 0: always)
     n_clusters: int = 16  # more centroids than heavy groups: Lloyd from a farthest-point start then isolates them
-    kmeans_iters: int = 10
-    leverage_eps: float = 1e-6
+    kmeans_iters: int = 10  # Lloyd iterations of the k-means / k-median scoring
+    leverage_eps: float = 1e-6  # ridge term of the leverage scores
     block_size: int = 256  # queries per LSH block
     sample_size: int = 256  # residual columns per non-causal block
     min_seq_len: int = 2048  # exact causal attention below this many queries
-    lsh_bits: int = 7
-    seed: int = 0
+    lsh_bits: int = 7  # hash bits of the LSH that sorts keys into blocks
+    seed: int = 0  # seed of the LSH and the sampled columns
 
     def validate(self, prefix: str) -> None:
         key = prefix

@@ -106,16 +106,27 @@ class Engine:
         aux = out.aux_loss.detach() if out.aux_loss is not None else None
         return MicroStepOut(out.loss_sum.detach(), out.n_tokens, aux, out.stats)
 
-    def optimizer_step(self, grad_clip: float) -> Tensor:
-        """Clip (or just measure) the gradient norm, step the optimizer and the schedule.
-        Returns the pre-clip norm as a device tensor (reading it is a host sync)."""
+    def clip_gradients(self, grad_clip: float) -> Tensor:
+        """Clip (or just measure, grad_clip 0) the gradient norm; the pre-clip norm as a device tensor
+        (reading it is a host sync). Every rank gets the same norm."""
         params = [p for p in self.raw_model.parameters() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
         full = getattr(norm, "full_tensor", None)  # a DTensor norm under FSDP2
         return (full() if full else norm).detach()
+
+    def apply_update(self, *, skip: bool = False) -> None:
+        """Step the optimizer (unless ``skip``: a non-finite step leaves the weights and the optimizer
+        state alone) and the schedule, and clear the gradients."""
+        if not skip:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def optimizer_step(self, grad_clip: float) -> Tensor:
+        """Clip, step the optimizer and the schedule; the pre-clip norm."""
+        norm = self.clip_gradients(grad_clip)
+        self.apply_update()
+        return norm
 
     @property
     def lr(self) -> float:

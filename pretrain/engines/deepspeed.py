@@ -99,11 +99,14 @@ class DeepSpeedEngine(DataParallelEngine):
         aux = out.aux_loss.detach() if out.aux_loss is not None else None
         return MicroStepOut(out.loss_sum.detach(), out.n_tokens, aux, out.stats)
 
-    def optimizer_step(self, grad_clip: float) -> Tensor:
-        # the optimizer already stepped inside the last micro_step (DeepSpeed's boundary)
-        self.scheduler.step()
+    def clip_gradients(self, grad_clip: float) -> Tensor:
+        # DeepSpeed clipped and stepped inside the last micro_step (its accumulation boundary)
         norm = self.ds.get_global_grad_norm()
         return torch.as_tensor(float(norm) if norm is not None else float("nan"))
+
+    def apply_update(self, *, skip: bool = False) -> None:
+        # the update already happened (run.engines: deepspeed cannot skip one; train.nonfinite = stop)
+        self.scheduler.step()
 
     @property
     def lr(self) -> float:

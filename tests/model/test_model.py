@@ -157,3 +157,18 @@ def test_generation_stops_rows_at_eos():
         if len(hits):
             assert (row[hits[0, 0] :] == eos).all(), "after EOS a row keeps emitting EOS"
     assert torch.equal(out[0, :6], greedy[0, :6])
+
+
+def test_generation_never_samples_past_the_tokenizer_vocabulary():
+    """A model vocabulary padded past the tokenizer's: ids beyond it would not decode."""
+    torch.manual_seed(0)
+    model = Transformer(ModelConfig(vocab_size=97, max_seq_len=64, d_model=32, n_layers=1, n_heads=2)).eval()
+    with torch.no_grad():
+        model.lm_head.weight[60:] += 5.0  # make the padded rows the likeliest
+    prompt = torch.randint(0, 50, (2, 5))
+    free = model.generate(prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(1))
+    assert (free[:, 5:] >= 50).any()  # unmasked, the padding is sampled
+    out, logits = model.generate(
+        prompt, 8, temperature=1.0, generator=torch.Generator().manual_seed(1), vocab_size=50, return_logits=True
+    )
+    assert (out[:, 5:] < 50).all() and torch.isneginf(logits[..., 50:]).all()
