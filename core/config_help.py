@@ -11,13 +11,11 @@ import dataclasses
 import inspect
 import re
 import typing
-from functools import cache
 from typing import Any
 
 _FIELD = re.compile(r"^\s+(\w+)\s*:\s*[^=#]+(?:=[^#]*)?(?:#\s?(.*))?$")
 
 
-@cache
 def _comments(cls: type) -> dict[str, str]:
     """field name -> its comment, for ``cls`` and its dataclass bases."""
     out: dict[str, str] = {}
