@@ -28,8 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -45,6 +47,52 @@ def resolve_checkpoint(run: str | None, checkpoint: str | None) -> Path:
     if checkpoint:
         return checkpoint_lib.resolve_checkpoint(checkpoint, key="--checkpoint")
     return checkpoint_lib.resolve_checkpoint(str(run), key="--run")
+
+
+def json_safe(value: Any) -> Any:
+    """``value`` with every non-finite float as the string ``"nan"``, ``"inf"`` or ``"-inf"``: JSON has no
+    literal for them (a bare ``NaN`` is not JSON), and metrics.jsonl writes them the same way."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def checked_checkpoint(path: Path, key: str) -> dict:
+    """Reads ``trainer.pt`` and checks ``model.safetensors`` (its header and that the file holds every
+    tensor the header lists) before anything is built: a damaged or missing file is one line naming it,
+    not a traceback from deep inside torch or safetensors. Returns the trainer state."""
+    from safetensors import safe_open
+
+    state_file, weights = path / checkpoint_lib.TRAINER_STATE, path / checkpoint_lib.MODEL_FILE
+    try:
+        state = checkpoint_lib.load_trainer_state(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - truncated zip, empty file, not a torch file ...
+        raise ConfigError(f"{key}: {state_file} is damaged ({_first_line(exc)})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("config"), str) or "step" not in state:
+        raise ConfigError(f"{key}: {state_file} is not a trainer state (no config / step)")
+    if not weights.is_file():
+        raise ConfigError(
+            f"{key}: {path} has no {checkpoint_lib.MODEL_FILE} (evaluation reads the consolidated weights; "
+            "python -m pretrain.export writes them for a sharded checkpoint)"
+        )
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            f.keys()
+    except Exception as exc:  # noqa: BLE001 - SafetensorError: truncated, empty, bad header
+        raise ConfigError(f"{key}: {weights} is damaged ({_first_line(exc)})") from None
+    return state
+
+
+def _first_line(exc: BaseException) -> str:
+    """``Type: the first sentence of the message`` on one line, short."""
+    text = " ".join(str(exc).split(". ")[0].split())
+    return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
 
 
 def held_out(cfg, tokenizer_dir: Path):
@@ -212,7 +260,7 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data-dir",
         default=None,
-        help="lm-eval tasks: folder with the task data (the layout of ../shared/data); "
+        help="lm-eval tasks: folder with the task data (the offline bundle's layout, docs/eval.md); "
         "default $FOCUSED_PRETRAIN_EVAL_DATA",
     )
     p.add_argument("--batch-size", type=int, default=8, help="lm-eval tasks: requests per forward")
@@ -285,18 +333,23 @@ def main(argv: list[str] | None = None) -> int:
         from core.device import resolve_device
         from data.tokenizer import load_tokenizer
         from eval.generation import TextGenerator
-        from run.checkpoint import load_model, load_trainer_state
+        from run.checkpoint import load_model
 
-        device = resolve_device(args.device)
+        device = resolve_device(args.device, key="--device")
+        key = "--run" if args.run else "--checkpoint"
+        state = checked_checkpoint(path, key)
         model, cfg = load_model(path, device=device, overrides=args.set)
-        tokenizer = load_tokenizer(_tokenizer_file(path))
+        tokenizer = _load_tokenizer(load_tokenizer, path, key)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    step = load_trainer_state(path)["step"]
-    results: dict = {"checkpoint": str(path), "step": step}
+    results: dict = {"checkpoint": str(path), "step": state["step"]}
     out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"error: --out: cannot create {out.parent} ({exc.strerror or exc})", file=sys.stderr)
+        return 2
     gen = TextGenerator(model, tokenizer, device=device, max_context=args.max_context or None)
     try:
         needs_corpus = (
@@ -393,9 +446,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.run:
         results["plots"] = _run_plots(Path(args.run), out)
-    atomic_write_text(out, json.dumps(results, indent=2) + "\n")
+    atomic_write_text(out, json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
     print(f"results written to {out}")
     return 0
+
+
+def _load_tokenizer(load_tokenizer, path: Path, key: str):
+    file = _tokenizer_file(path)
+    try:
+        return load_tokenizer(file)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a damaged SentencePiece / tokenizer.json file
+        raise ConfigError(f"{key}: {file} is damaged ({_first_line(exc)})") from None
 
 
 def _run_plots(run: Path, out: Path) -> dict:

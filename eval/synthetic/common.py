@@ -272,11 +272,35 @@ def _check_common(samples: int, max_new_tokens: int, shots: int = 0) -> None:
 # ------------------------------------------------------------------ sizing
 
 
-def _too_short(length: int, what: str, tokens: int, new: int) -> ConfigError:
-    return ConfigError(
-        f"--context-lengths: {length} is too short for {what}: its prompt needs {tokens} tokens without filler, plus "
-        f"{new} new tokens"
-    )
+class PromptTooShort(ConfigError):
+    """A context length below what a task's prompt needs with no filler at all (``by_length`` skips it)."""
+
+    def __init__(self, length: int, what: str, tokens: int, new: int):
+        self.length = length
+        self.need = f"{what}: its prompt needs {tokens} tokens without filler, plus {new} new tokens"
+        super().__init__(f"--context-lengths: {length} is too short for {self.need}")
+
+
+def _too_short(length: int, what: str, tokens: int, new: int) -> PromptTooShort:
+    return PromptTooShort(length, what, tokens, new)
+
+
+def by_length(lengths: Sequence[int], samples_at: Callable[[int], list[Sample]]) -> list[Sample]:
+    """``samples_at(length)`` for every length, in order. A length too short for the task's prompt is
+    skipped with a one-line note on stderr (the default lengths, a quarter, half and all of a small
+    model's context, can start below it); when every length is too short, the error says so."""
+    out: list[Sample] = []
+    skipped: list[PromptTooShort] = []
+    for length in lengths:
+        try:
+            out.extend(samples_at(length))
+        except PromptTooShort as exc:
+            skipped.append(exc)
+    if not out and skipped:
+        raise skipped[-1]  # nothing left to run: one error line, no notes
+    for exc in skipped:
+        print(f"note: --context-lengths: skipping {exc.length}, too short for {exc.need}", file=sys.stderr, flush=True)
+    return out
 
 
 def _fit(

@@ -27,6 +27,7 @@ from eval.synthetic.common import (
     _random_key,
     _read_jsonl,
     _shrink,
+    by_length,
     evaluate_samples,
 )
 
@@ -107,8 +108,9 @@ def kv_samples(
             golds.append((_random_key(rng, "uuids"), _random_key(rng, "uuids")))
             pools.append(_Lazy(_uuid_pairs(rng)))
             limits.append(None)
-    out: list[Sample] = []
-    for length in lengths:
+
+    def at(length: int) -> list[Sample]:
+        out: list[Sample] = []
         budget = length - max_new_tokens
         for gold, pool, limit in zip(golds, pools, limits):
             fill = None
@@ -125,6 +127,9 @@ def kv_samples(
                 else:
                     text, tokens, _ = _shrink(build, encode, budget, fill, what=task, length=length, new=max_new_tokens)
                 out.append(Sample(task, length, depth, text, (gold[1],), "substring_exact_match", tokens))
+        return out
+
+    out = by_length(lengths, at)
     return sorted(out, key=lambda s: (s.length, s.depth))
 
 

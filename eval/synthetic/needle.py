@@ -30,6 +30,7 @@ from eval.synthetic.common import (
     _insert,
     _random_key,
     _shrink,
+    by_length,
     evaluate_samples,
 )
 
@@ -139,8 +140,9 @@ def needle_samples(
     words = _essay_words(str(haystack_dir)) if haystack == "essay" else None
     task = f"niah_{kind}"
     needles = [_make_needles(kind, key_type, random.Random(f"{seed}:{task}:{i}")) for i in range(samples)]
-    out: list[Sample] = []
-    for length in lengths:
+
+    def at(length: int) -> list[Sample]:
+        out: list[Sample] = []
         budget, what = length - max_new_tokens, f"{task} ({haystack} haystack)"
         for nd in needles:
             fill = None
@@ -156,6 +158,9 @@ def needle_samples(
                 else:
                     text, tokens, _ = _shrink(build, encode, budget, fill, what=what, length=length, new=max_new_tokens)
                 out.append(Sample(task, length, depth, text, nd.answers, "string_match_all", tokens))
+        return out
+
+    out = by_length(lengths, at)
     return sorted(out, key=lambda s: (s.length, s.depth))  # stable: samples stay in order within a cell
 
 

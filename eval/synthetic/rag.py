@@ -29,6 +29,7 @@ from eval.synthetic.common import (
     _pick,
     _read_jsonl,
     _shrink,
+    by_length,
     evaluate_samples,
 )
 
@@ -123,8 +124,9 @@ def rag_samples(
         ]
         rng.shuffle(pool)
         setups.append((qa, [rows[j] for j in demo_ids], pool, list(itertools.accumulate(len(p.words) for p in pool))))
-    out: list[Sample] = []
-    for length in lengths:
+
+    def at(length: int) -> list[Sample]:
+        out: list[Sample] = []
         budget = length - max_new_tokens
         for qa, demos, pool, ends in setups:
             limit = ends[-1] if ends else 0
@@ -156,6 +158,9 @@ def rag_samples(
                         new=max_new_tokens,
                     )
                 out.append(Sample(task, length, depth, text, qa.answers, "substring_exact_match", tokens))
+        return out
+
+    out = by_length(lengths, at)
     return sorted(out, key=lambda s: (s.length, s.depth))
 
 

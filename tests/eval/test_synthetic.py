@@ -414,3 +414,43 @@ def test_loss_curve_and_group_size_pngs(tmp_path):
         plot_loss_curves(tmp_path / "absent.jsonl", tmp_path / "x.png")
     one_line(exc, "metrics_jsonl")
     assert not (tmp_path / "none.png").exists()
+
+
+def _small_nq(tmp_path: Path) -> Path:
+    rows = [
+        {
+            "question": f"what is item {i}",
+            "answers": [f"answer{i}"],
+            "ctxs": [{"title": f"T{i}", "text": f"item {i} is answer{i}. " + "filler words here " * 2, "isgold": True}],
+        }
+        for i in range(30)
+    ]
+    path = tmp_path / "nq.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_default_lengths_too_short_for_the_prompt_are_skipped_with_a_note(tmp_path, capsys):
+    """A small model's default lengths (1/4, 1/2, 1 of its context) can start below what a prompt needs
+    without filler: that length is skipped with one note, the others run."""
+    nq = _small_nq(tmp_path)
+    small = FakeGenerator(lambda p: "", max_context=256)
+    for name, run in (
+        ("niah_single", lambda: S.run_needle(small, depths=[0.5], progress=False)),
+        ("json_kv", lambda: S.run_kv_retrieval(small, depths=[0.5], progress=False)),
+        ("rag_nq", lambda: S.run_rag(small, data_file=nq, depths=[0.5], progress=False)),
+    ):
+        result = run()
+        notes = capsys.readouterr().err.strip().splitlines()
+        assert len(notes) >= 1 and all(
+            n.startswith("note: --context-lengths: skipping ") and name in n for n in notes
+        ), notes
+        assert "256" in result["grid"] and "64" not in result["grid"], result["grid"]
+        assert result["n"] == len(result["grid"])
+
+
+def test_when_every_length_is_too_short_the_error_is_one_line(capsys):
+    with pytest.raises(ConfigError) as exc:
+        S.needle_samples(word_encode, lengths=[40, 60])
+    one_line(exc, "--context-lengths")
+    assert "60 is too short" in str(exc.value) and capsys.readouterr().err == ""
