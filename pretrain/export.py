@@ -22,7 +22,6 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -37,19 +36,15 @@ def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
 
     if (path / ckpt.MODEL_FILE).is_file():
         return load_file(str(path / ckpt.MODEL_FILE))
+    # torch's dcp_to_torch_save and DeepSpeed's zero_to_fp32 unpickle unchecked; run.safe_load reads through allow-lists
     if (path / "dcp").is_dir():
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+        from run.safe_load import dcp_model_state
 
-        with tempfile.TemporaryDirectory() as tmp:
-            dcp_to_torch_save(str(path / "dcp"), f"{tmp}/full.pt")
-            state = torch.load(f"{tmp}/full.pt", map_location="cpu", weights_only=True)
-        return {k: v.float().contiguous() for k, v in state["model"].items()}
+        return {k: v.float().contiguous() for k, v in dcp_model_state(path / "dcp").items()}
     if (path / "ds").is_dir():
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+        from run.safe_load import zero_state_dict
 
-        return {
-            k: v.float().contiguous() for k, v in get_fp32_state_dict_from_zero_checkpoint(str(path), tag="ds").items()
-        }
+        return {k: v.float().contiguous() for k, v in zero_state_dict(path, "ds").items()}
     raise FileNotFoundError(f"{path}: no {ckpt.MODEL_FILE}, dcp/ or ds/ (not a checkpoint directory)")
 
 
@@ -192,7 +187,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         return 0
-    out = export(path, Path(args.out), dtype=args.dtype)
+    try:
+        out = export(path, Path(args.out), dtype=args.dtype)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"exported {path} -> {out}")
     return 0
 

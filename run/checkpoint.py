@@ -17,6 +17,7 @@ import torch
 
 from core import configlib
 from core.errors import ConfigError
+from run.safe_load import torch_load
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
@@ -78,7 +79,8 @@ def tokenizer_file(directory: Path) -> Path:
 
 
 def load_trainer_state(path: Path) -> dict[str, Any]:
-    return torch.load(Path(path) / TRAINER_STATE, map_location="cpu", weights_only=True)
+    """``trainer.pt`` of checkpoint ``path``: tensors and plain values only (one-line ``ConfigError`` otherwise)."""
+    return torch_load(Path(path) / TRAINER_STATE, map_location="cpu")
 
 
 def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:

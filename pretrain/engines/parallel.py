@@ -101,8 +101,9 @@ class DataParallelEngine(Engine):
             torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from run.safe_load import dcp_load, torch_load
 
         if not (directory / DCP_DIR).is_dir():
             raise ConfigError(
@@ -111,9 +112,9 @@ class DataParallelEngine(Engine):
             )
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, checkpoint_id=str(directory / DCP_DIR))
+        dcp_load(state, directory / DCP_DIR)  # torch's reader unpickles .metadata unchecked; this one does not
         set_state_dict(self.wrapped, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch.load(directory / SCHEDULER_FILE, map_location="cpu", weights_only=True))
+        self.scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
 
 
 class DDPEngine(DataParallelEngine):
