@@ -218,3 +218,24 @@ def build_attention(kind: str, cfg: Any, spec: LayerSpec, impl: str = "auto") ->
     module = registry[kind].cls(cfg, spec)
     module.impl = impl
     return module
+
+
+def kv_cache_nbytes(cache: KVCache) -> int:
+    """Bytes allocated by every tensor a layer's cache holds (its raw keys and values and whatever a variant
+    keeps in ``cache.extra``): the sum of their storages' sizes, each storage counted once. Measured, so
+    preallocated capacity counts, and a view counts its whole storage."""
+    seen: dict[tuple[str, int], int] = {}
+
+    def visit(x) -> None:
+        if isinstance(x, Tensor):
+            storage = x.untyped_storage()
+            seen[(str(x.device), storage.data_ptr() or id(storage))] = storage.nbytes()
+        elif isinstance(x, dict):
+            for value in x.values():
+                visit(value)
+        elif isinstance(x, list | tuple):
+            for value in x:
+                visit(value)
+
+    visit([cache.k, cache.v, cache.extra])
+    return sum(seen.values())

@@ -42,90 +42,33 @@ last query. Either way nothing else is kept: the base cache's raw ``max_len`` bu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
-
-SELECTIONS = ("causal", "sequence")
-
-
-@dataclass
-class DGAConfig(VariantConfig):
-    selection: str = "causal"  # causal (training) | sequence (the paper's form: prefill only, leaks the future)
-    gamma: float = 0.1  # focal share per selection unit (a chunk, or the whole sequence)
-    min_focal: int = 1  # at least this many focal tokens per unit (the paper uses max(gamma L, 1k))
-    group_size: int = 16  # m
-    sample_recent: int = 16  # importance queries: the most recent ones of the unit ...
-    sample_random: int = 16  # ... plus this many random others (fixed seed: decisions are reproducible)
-    chunk_size: int = 128  # C, causal form only
-    decode_fold: float = 1.1  # sequence-form decode folds a group every m' = ceil(decode_fold * m) tokens
-    seed: int = 0  # seed of the random importance queries
-
-    def validate(self, prefix: str) -> None:
-        key = prefix
-        check_choice(key + "selection", self.selection, SELECTIONS)
-        check_range(key + "gamma", self.gamma, 0.0, 1.0, open_low=True)
-        check_min(key + "min_focal", self.min_focal, 0)
-        check_min(key + "group_size", self.group_size, 1)
-        check_min(key + "sample_recent", self.sample_recent, 1, note=" (the last query must be sampled)")
-        check_min(key + "sample_random", self.sample_random, 0)
-        check_min(key + "chunk_size", self.chunk_size, 1)
-        if self.chunk_size < self.group_size:
-            raise ConfigError(
-                f"{key}chunk_size: must be >= group_size={self.group_size} (a group lives inside one chunk), "
-                f"got {self.chunk_size}"
-            )
-        check_min(key + "decode_fold", self.decode_fold, 1.0)
-
-
-def focal_count(n: int, gamma: float, min_focal: int, m: int) -> int:
-    """Focal tokens among ``n``: top gamma share, at least ``min_focal``, and the non-divisible
-    remainder of the non-focal tokens also made focal (section 5.1) so every group has m members."""
-    r = min(n, max(math.ceil(round(gamma * n, 9)), min_focal))
-    return r + (n - r) % m
-
-
-def sample_offsets(span: int, n_recent: int, n_random: int, seed: int) -> Tensor:
-    """Sorted offsets in [0, span): the last ``n_recent`` plus ``n_random`` others drawn with a fixed seed (eq. 17)."""
-    n_recent = min(n_recent, span)
-    recent = torch.arange(span - n_recent, span)
-    rest = span - n_recent
-    if n_random <= 0 or rest <= 0:
-        return recent
-    g = torch.Generator().manual_seed(seed)
-    others = torch.randperm(rest, generator=g)[: min(n_random, rest)]
-    return torch.cat([others.sort().values, recent])
-
-
-@dataclass
-class Compressed:
-    """Compression of U equal units of n tokens (chunks, or the whole sequence), per (batch, query head)."""
-
-    focal_pos: Tensor  # [B, H, U, r] absolute positions, ascending
-    members: Tensor  # [B, H, U, g, m] absolute positions of each group's members, ascending
-    focal_k: Tensor  # [B, H, U, r, D]
-    focal_v: Tensor
-    agg_k: Tensor  # [B, H, U, g, D]
-    agg_v: Tensor
-
-    def entries(self, focal_avail: Tensor, agg_avail: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Flatten to one key list [focal_u0; agg_u0; focal_u1; ...] with each entry's first visible position."""
-        b, h, u = self.focal_pos.shape[:3]
-        d = self.focal_k.shape[-1]
-        k = torch.cat([self.focal_k, self.agg_k], dim=3).reshape(b, h, -1, d)
-        v = torch.cat([self.focal_v, self.agg_v], dim=3).reshape(b, h, -1, d)
-        r, g = self.focal_k.shape[3], self.agg_k.shape[3]
-        avail = torch.cat([focal_avail.expand(b, h, u, r), agg_avail.expand(b, h, u, g)], dim=3).reshape(b, h, -1)
-        return k, v, avail
+from model.attention.base import (  # noqa: F401  (kv_cache_nbytes: importable from here, as before)
+    Attention,
+    AttnOut,
+    KVCache,
+    LayerSpec,
+    SuiteCase,
+    kv_cache_nbytes,
+    register_attention,
+)
+from model.attention.dga_cache import GroupedKVCache
+from model.attention.dga_units import (  # noqa: F401  (re-exported)
+    SELECTIONS,
+    Compressed,
+    DGAConfig,
+    _pad_positions,
+    focal_count,
+    sample_offsets,
+)
 
 
 @register_attention("dga", DGAConfig)
-class DynamicGroupAttention(Attention):
+class DynamicGroupAttention(GroupedKVCache, Attention):
     description = "Dynamic Group Attention, causal chunked selection (docs/dga.md)"
 
     def __init__(self, cfg: DGAConfig, spec: LayerSpec):
@@ -416,189 +359,11 @@ class DynamicGroupAttention(Attention):
         block_mask = create_block_mask(mask_mod, b, h, tq, n + tk, device=q.device)
         return flex_attention_fn(q.is_cuda)(q, keys, values, block_mask=block_mask, scale=self.scale)
 
-    # ---- the grouped KV cache --------------------------------------------------------
-    def forward(self, q, k, v, *, hidden, positions, cache=None, documents=None) -> AttnOut:
-        """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
-        entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
-        freed on first use and never appended to; ``cache.length`` still counts every token."""
-        if cache is None or documents is not None:
-            return super().forward(q, k, v, hidden=hidden, positions=positions, cache=cache, documents=documents)
-        t = k.shape[2]
-        if cache.length + t > cache.max_len:
-            raise ValueError(f"KV cache full: {cache.length} + {t} tokens exceeds its max_len {cache.max_len}")
-        if cache.k.numel() or cache.v.numel():
-            cache.k, cache.v = cache.k.new_empty(0), cache.v.new_empty(0)
-        return self._cached(q, k, v, positions, cache)
-
-    def _cached(self, q, k, v, q_pos, cache: KVCache) -> AttnOut:
-        """q: the new queries; k, v: the new keys and values only (positions cache.length ..)."""
-        if self.cfg.selection == "causal":
-            out = self._cached_causal(q, k, v, q_pos, cache)
-        else:
-            out = self._cached_sequence(q, k, v, q_pos, cache)
-        cache.length += k.shape[2]
-        stats = {}
-        if self.collect_stats:
-            size = self.cache_size(cache)
-            stats = {"cache_ratio": torch.tensor(size["dga_kv_slots"] / max(1, size["full_kv_slots"]))}
-        return AttnOut(out, stats=stats)
-
-    def _entries_per_chunk(self) -> int:
-        c, m = self.cfg.chunk_size, self.cfg.group_size
-        r = focal_count(c, self.cfg.gamma, self.cfg.min_focal, m)
-        return r + (c - r) // m
-
-    def _causal_state(self, cache: KVCache, q: Tensor) -> dict:
-        """Buffers sized once from ``cache.max_len``: ``k``/``v`` hold the compressed entries ``[0, n)`` (chunk
-        after chunk, at the query head count) followed by the raw keys of positions ``folded * C ..``
-        (at most 2C + 1 of them); ``q`` holds the queries of those positions (importance samples, q_last)."""
-        st = cache.extra.get("dga")
-        if st is None:
-            b, hq, _, d = q.shape
-            c = self.cfg.chunk_size
-            entries = self._needed_chunks(cache.max_len - 1) * self._entries_per_chunk()
-            st = cache.extra["dga"] = {
-                "k": q.new_empty(b, hq, entries + 2 * c + 1, d),
-                "v": q.new_empty(b, hq, entries + 2 * c + 1, d),
-                "q": q.new_empty(b, hq, 2 * c + 1, d),
-                "n": 0,  # compressed entries
-                "folded": 0,  # chunks folded; raw keys and queries are held from position folded * C on
-            }
-        return st
-
-    def _cached_causal(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
-        hq, t = q.shape[1], q.shape[2]
-        c = self.cfg.chunk_size
-        st = self._causal_state(cache, q)
-        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
-        n, folded, p0 = st["n"], st["folded"], cache.length
-        base = folded * c  # first raw position held
-        held = p0 - base
-        need = self._needed_chunks(p0 + t - 1)
-        if t == 1 and need == folded:
-            # decode between folds: every compressed entry is visible, the raw keys held are the query's window
-            st["k"][:, :, n + held], st["v"][:, :, n + held], st["q"][:, :, held] = k[:, :, 0], v[:, :, 0], q[:, :, 0]
-            keys, values = st["k"][:, :, : n + held + 1], st["v"][:, :, : n + held + 1]
-            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
-        # prefill, chunked prefill, or a decode step that folds: raw keys / queries of positions base .. p0 + t - 1
-        rk = torch.cat([st["k"][:, :, n : n + held], k], 2)
-        rv = torch.cat([st["v"][:, :, n : n + held], v], 2)
-        rq = torch.cat([st["q"][:, :, :held], q], 2)
-        if need > folded:  # chunks folded .. need - 1, from exactly the inputs the uncached forward uses
-            _, (ck, cv, _) = self._compress_causal(rq, rk, rv, folded, need, q_base=base, k_base=base)
-            st["k"][:, :, n : n + ck.shape[2]], st["v"][:, :, n : n + ck.shape[2]] = ck, cv
-            n += ck.shape[2]
-        out = None
-        if t > 1:  # each query sees the entries of the chunks <= its own - 2 and its own window
-            avail = (torch.arange(n, device=q.device) // self._entries_per_chunk() + 2) * c  # chunk u: from (u + 2) C
-            out = self._attend_window(
-                q, q_pos, rk, rv, st["k"][:, :, :n], st["v"][:, :, :n], avail.expand(q.shape[0], hq, n), k_base=base
-            )[0]
-        folded = max(folded, need)
-        keep = slice(folded * c - base, None)  # raw keys and queries from the window of the last query on
-        kept = rk.shape[2] - (folded * c - base)
-        st["k"][:, :, n : n + kept], st["v"][:, :, n : n + kept] = rk[:, :, keep], rv[:, :, keep]
-        st["q"][:, :, :kept] = rq[:, :, keep]
-        st["n"], st["folded"] = n, folded
-        if out is None:  # one query after its fold: every entry and the raw keys held, as between folds
-            keys, values = st["k"][:, :, : n + kept], st["v"][:, :, : n + kept]
-            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
-        return out
-
-    def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
-        """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1).
-        The cache holds the compressed entries and the fewer than m' raw tokens since the last fold."""
-        hq = q.shape[1]
-        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
-        st = cache.extra.get("dga")
-        if st is None:
-            if int(q_pos[0]) != 0:
-                raise ValueError("dga (selection=sequence): the first call on a cache must prefill from position 0")
-            comp, (ck, cv, avail) = self._compress_sequence(q, k, v)
-            out, _ = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
-            cache.extra["dga"] = {"k": ck, "v": cv, "raw_k": k[:, :, :0].clone(), "raw_v": v[:, :, :0].clone()}
-            return out
-        m = self.cfg.group_size
-        m_fold = math.ceil(round(self.cfg.decode_fold * m, 9))
-        outs = []
-        for i in range(q.shape[2]):  # each new token: all compressed entries + its raw buffer
-            qi = q[:, :, i : i + 1]
-            lk, lv = torch.cat([st["raw_k"], k[:, :, i : i + 1]], 2), torch.cat([st["raw_v"], v[:, :, i : i + 1]], 2)
-            keys, values = torch.cat([st["k"], lk], 2), torch.cat([st["v"], lv], 2)
-            p = torch.softmax(ref.scores(qi, keys, self.scale), dim=-1)
-            outs.append(ref.weighted_values(p, values, q.dtype))
-            if lk.shape[2] == m_fold:
-                fk, fv, ak, av = self.fold(qi, lk, lv, m)
-                st["k"] = torch.cat([st["k"], fk, ak], 2)
-                st["v"] = torch.cat([st["v"], fv, av], 2)
-                lk, lv = lk[:, :, :0].clone(), lv[:, :, :0].clone()  # not views: they would keep lk's storage
-            st["raw_k"], st["raw_v"] = lk, lv
-        return torch.cat(outs, dim=2)
-
-    def fold(self, q_last: Tensor, k: Tensor, v: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-        """Fold m' buffered tokens: the top m'-m by the last query's score stay focal, the other m
-        (in position order) become one group with weights softmax(q_last k^T / sqrt(d))."""
-        dt = torch.promote_types(q_last.dtype, torch.float32)
-        s = (torch.matmul(q_last.to(dt), k.to(dt).transpose(-1, -2)) * self.scale)[:, :, 0]  # [B, H, m']
-        n = k.shape[2]
-        with torch.no_grad():
-            focal = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(n - m, dim=-1).indices, True)
-            order = torch.argsort(focal.to(torch.int8), dim=-1, stable=True)
-        members, focal_idx = order[..., :m], order[..., m:]
-        w = torch.softmax(s.gather(-1, members), dim=-1)[..., None]
-        ak = (w * ref.take_rows(k, members).to(dt)).sum(-2, keepdim=True).to(k.dtype)
-        av = (w * ref.take_rows(v, members).to(dt)).sum(-2, keepdim=True).to(v.dtype)
-        return ref.take_rows(k, focal_idx), ref.take_rows(v, focal_idx), ak, av
-
-    def cache_size(self, cache: KVCache) -> dict[str, int]:
-        """Key/value slots per head the grouped cache holds against full attention's, the queries the causal
-        form holds until their chunks are folded, and the bytes the cache has allocated (``kv_cache_nbytes``)."""
-        st = cache.extra.get("dga")
-        full = cache.length
-        nbytes = kv_cache_nbytes(cache)
-        if st is None:
-            return {"full_kv_slots": full, "dga_kv_slots": full, "dga_query_slots": 0, "bytes": nbytes}
-        if self.cfg.selection == "causal":
-            held = full - st["folded"] * self.cfg.chunk_size  # raw keys and queries from the next window on
-            return {"full_kv_slots": full, "dga_kv_slots": st["n"] + held, "dga_query_slots": held, "bytes": nbytes}
-        slots = st["k"].shape[2] + st["raw_k"].shape[2]
-        return {"full_kv_slots": full, "dga_kv_slots": slots, "dga_query_slots": 0, "bytes": nbytes}
-
     def _stats(self, counts: Tensor | None, q_pos: Tensor) -> dict[str, Tensor]:
         if counts is None:
             return {}
         full = (q_pos.to(counts.device) + 1).to(torch.float64)
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
-
-
-def kv_cache_nbytes(cache: KVCache) -> int:
-    """Bytes allocated by every tensor a layer's cache holds (its raw keys and values and whatever a variant
-    keeps in ``cache.extra``): the sum of their storages' sizes, each storage counted once. Measured, so
-    preallocated capacity counts, and a view counts its whole storage."""
-    seen: dict[tuple[str, int], int] = {}
-
-    def visit(x) -> None:
-        if isinstance(x, Tensor):
-            storage = x.untyped_storage()
-            seen[(str(x.device), storage.data_ptr() or id(storage))] = storage.nbytes()
-        elif isinstance(x, dict):
-            for value in x.values():
-                visit(value)
-        elif isinstance(x, list | tuple):
-            for value in x:
-                visit(value)
-
-    visit([cache.k, cache.v, cache.extra])
-    return sum(seen.values())
-
-
-def _pad_positions(x: Tensor, x_start: int, lo: int, hi: int) -> Tensor:
-    """Rows of x (holding positions x_start..) for positions [lo, hi), zero-filled outside."""
-    t = x.shape[2]
-    left = x_start - lo
-    right = hi - (x_start + t)
-    sl = x[:, :, max(0, -left) : t - max(0, -right)]
-    return torch.nn.functional.pad(sl, (0, 0, max(0, left), max(0, right)))
 
 
 def _flex_ok() -> bool:

@@ -1,0 +1,164 @@
+"""Dynamic Group Attention's grouped KV cache: compressed entries, the raw window and the queries not
+folded yet, so decode reads far fewer keys than full attention keeps (docs/dga.md)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from model.attention import reference as ref
+from model.attention.base import AttnOut, KVCache, kv_cache_nbytes
+from model.attention.dga_units import focal_count
+
+
+class GroupedKVCache:
+    """The cached (prefill and decode) half of DynamicGroupAttention, mixed into it."""
+
+    def forward(self, q, k, v, *, hidden, positions, cache=None, documents=None) -> AttnOut:
+        """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
+        entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
+        freed on first use and never appended to; ``cache.length`` still counts every token."""
+        if cache is None or documents is not None:
+            return super().forward(q, k, v, hidden=hidden, positions=positions, cache=cache, documents=documents)
+        t = k.shape[2]
+        if cache.length + t > cache.max_len:
+            raise ValueError(f"KV cache full: {cache.length} + {t} tokens exceeds its max_len {cache.max_len}")
+        if cache.k.numel() or cache.v.numel():
+            cache.k, cache.v = cache.k.new_empty(0), cache.v.new_empty(0)
+        return self._cached(q, k, v, positions, cache)
+
+    def _cached(self, q, k, v, q_pos, cache: KVCache) -> AttnOut:
+        """q: the new queries; k, v: the new keys and values only (positions cache.length ..)."""
+        if self.cfg.selection == "causal":
+            out = self._cached_causal(q, k, v, q_pos, cache)
+        else:
+            out = self._cached_sequence(q, k, v, q_pos, cache)
+        cache.length += k.shape[2]
+        stats = {}
+        if self.collect_stats:
+            size = self.cache_size(cache)
+            stats = {"cache_ratio": torch.tensor(size["dga_kv_slots"] / max(1, size["full_kv_slots"]))}
+        return AttnOut(out, stats=stats)
+
+    def _entries_per_chunk(self) -> int:
+        c, m = self.cfg.chunk_size, self.cfg.group_size
+        r = focal_count(c, self.cfg.gamma, self.cfg.min_focal, m)
+        return r + (c - r) // m
+
+    def _causal_state(self, cache: KVCache, q: Tensor) -> dict:
+        """Buffers sized once from ``cache.max_len``: ``k``/``v`` hold the compressed entries ``[0, n)`` (chunk
+        after chunk, at the query head count) followed by the raw keys of positions ``folded * C ..``
+        (at most 2C + 1 of them); ``q`` holds the queries of those positions (importance samples, q_last)."""
+        st = cache.extra.get("dga")
+        if st is None:
+            b, hq, _, d = q.shape
+            c = self.cfg.chunk_size
+            entries = self._needed_chunks(cache.max_len - 1) * self._entries_per_chunk()
+            st = cache.extra["dga"] = {
+                "k": q.new_empty(b, hq, entries + 2 * c + 1, d),
+                "v": q.new_empty(b, hq, entries + 2 * c + 1, d),
+                "q": q.new_empty(b, hq, 2 * c + 1, d),
+                "n": 0,  # compressed entries
+                "folded": 0,  # chunks folded; raw keys and queries are held from position folded * C on
+            }
+        return st
+
+    def _cached_causal(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
+        hq, t = q.shape[1], q.shape[2]
+        c = self.cfg.chunk_size
+        st = self._causal_state(cache, q)
+        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
+        n, folded, p0 = st["n"], st["folded"], cache.length
+        base = folded * c  # first raw position held
+        held = p0 - base
+        need = self._needed_chunks(p0 + t - 1)
+        if t == 1 and need == folded:
+            # decode between folds: every compressed entry is visible, the raw keys held are the query's window
+            st["k"][:, :, n + held], st["v"][:, :, n + held], st["q"][:, :, held] = k[:, :, 0], v[:, :, 0], q[:, :, 0]
+            keys, values = st["k"][:, :, : n + held + 1], st["v"][:, :, : n + held + 1]
+            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        # prefill, chunked prefill, or a decode step that folds: raw keys / queries of positions base .. p0 + t - 1
+        rk = torch.cat([st["k"][:, :, n : n + held], k], 2)
+        rv = torch.cat([st["v"][:, :, n : n + held], v], 2)
+        rq = torch.cat([st["q"][:, :, :held], q], 2)
+        if need > folded:  # chunks folded .. need - 1, from exactly the inputs the uncached forward uses
+            _, (ck, cv, _) = self._compress_causal(rq, rk, rv, folded, need, q_base=base, k_base=base)
+            st["k"][:, :, n : n + ck.shape[2]], st["v"][:, :, n : n + ck.shape[2]] = ck, cv
+            n += ck.shape[2]
+        out = None
+        if t > 1:  # each query sees the entries of the chunks <= its own - 2 and its own window
+            avail = (torch.arange(n, device=q.device) // self._entries_per_chunk() + 2) * c  # chunk u: from (u + 2) C
+            out = self._attend_window(
+                q, q_pos, rk, rv, st["k"][:, :, :n], st["v"][:, :, :n], avail.expand(q.shape[0], hq, n), k_base=base
+            )[0]
+        folded = max(folded, need)
+        keep = slice(folded * c - base, None)  # raw keys and queries from the window of the last query on
+        kept = rk.shape[2] - (folded * c - base)
+        st["k"][:, :, n : n + kept], st["v"][:, :, n : n + kept] = rk[:, :, keep], rv[:, :, keep]
+        st["q"][:, :, :kept] = rq[:, :, keep]
+        st["n"], st["folded"] = n, folded
+        if out is None:  # one query after its fold: every entry and the raw keys held, as between folds
+            keys, values = st["k"][:, :, : n + kept], st["v"][:, :, : n + kept]
+            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+        return out
+
+    def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
+        """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1).
+        The cache holds the compressed entries and the fewer than m' raw tokens since the last fold."""
+        hq = q.shape[1]
+        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
+        st = cache.extra.get("dga")
+        if st is None:
+            if int(q_pos[0]) != 0:
+                raise ValueError("dga (selection=sequence): the first call on a cache must prefill from position 0")
+            comp, (ck, cv, avail) = self._compress_sequence(q, k, v)
+            out, _ = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
+            cache.extra["dga"] = {"k": ck, "v": cv, "raw_k": k[:, :, :0].clone(), "raw_v": v[:, :, :0].clone()}
+            return out
+        m = self.cfg.group_size
+        m_fold = math.ceil(round(self.cfg.decode_fold * m, 9))
+        outs = []
+        for i in range(q.shape[2]):  # each new token: all compressed entries + its raw buffer
+            qi = q[:, :, i : i + 1]
+            lk, lv = torch.cat([st["raw_k"], k[:, :, i : i + 1]], 2), torch.cat([st["raw_v"], v[:, :, i : i + 1]], 2)
+            keys, values = torch.cat([st["k"], lk], 2), torch.cat([st["v"], lv], 2)
+            p = torch.softmax(ref.scores(qi, keys, self.scale), dim=-1)
+            outs.append(ref.weighted_values(p, values, q.dtype))
+            if lk.shape[2] == m_fold:
+                fk, fv, ak, av = self.fold(qi, lk, lv, m)
+                st["k"] = torch.cat([st["k"], fk, ak], 2)
+                st["v"] = torch.cat([st["v"], fv, av], 2)
+                lk, lv = lk[:, :, :0].clone(), lv[:, :, :0].clone()  # not views: they would keep lk's storage
+            st["raw_k"], st["raw_v"] = lk, lv
+        return torch.cat(outs, dim=2)
+
+    def fold(self, q_last: Tensor, k: Tensor, v: Tensor, m: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """Fold m' buffered tokens: the top m'-m by the last query's score stay focal, the other m
+        (in position order) become one group with weights softmax(q_last k^T / sqrt(d))."""
+        dt = torch.promote_types(q_last.dtype, torch.float32)
+        s = (torch.matmul(q_last.to(dt), k.to(dt).transpose(-1, -2)) * self.scale)[:, :, 0]  # [B, H, m']
+        n = k.shape[2]
+        with torch.no_grad():
+            focal = torch.zeros_like(s, dtype=torch.bool).scatter_(-1, s.topk(n - m, dim=-1).indices, True)
+            order = torch.argsort(focal.to(torch.int8), dim=-1, stable=True)
+        members, focal_idx = order[..., :m], order[..., m:]
+        w = torch.softmax(s.gather(-1, members), dim=-1)[..., None]
+        ak = (w * ref.take_rows(k, members).to(dt)).sum(-2, keepdim=True).to(k.dtype)
+        av = (w * ref.take_rows(v, members).to(dt)).sum(-2, keepdim=True).to(v.dtype)
+        return ref.take_rows(k, focal_idx), ref.take_rows(v, focal_idx), ak, av
+
+    def cache_size(self, cache: KVCache) -> dict[str, int]:
+        """Key/value slots per head the grouped cache holds against full attention's, the queries the causal
+        form holds until their chunks are folded, and the bytes the cache has allocated (``kv_cache_nbytes``)."""
+        st = cache.extra.get("dga")
+        full = cache.length
+        nbytes = kv_cache_nbytes(cache)
+        if st is None:
+            return {"full_kv_slots": full, "dga_kv_slots": full, "dga_query_slots": 0, "bytes": nbytes}
+        if self.cfg.selection == "causal":
+            held = full - st["folded"] * self.cfg.chunk_size  # raw keys and queries from the next window on
+            return {"full_kv_slots": full, "dga_kv_slots": st["n"] + held, "dga_query_slots": held, "bytes": nbytes}
+        slots = st["k"].shape[2] + st["raw_k"].shape[2]
+        return {"full_kv_slots": full, "dga_kv_slots": slots, "dga_query_slots": 0, "bytes": nbytes}
