@@ -68,7 +68,7 @@ from model.attention.dga_units import (  # noqa: F401  (re-exported)
 
 
 @register_attention("dga", DGAConfig)
-class DynamicGroupAttention(GroupedKVCache, Attention):
+class DynamicGroupAttention(GroupedKVCache):
     description = "Dynamic Group Attention, causal chunked selection (docs/dga.md)"
 
     def __init__(self, cfg: DGAConfig, spec: LayerSpec):

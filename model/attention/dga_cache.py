@@ -4,17 +4,29 @@ folded yet, so decode reads far fewer keys than full attention keeps (docs/dga.m
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
 from model.attention import reference as ref
-from model.attention.base import AttnOut, KVCache, kv_cache_nbytes
-from model.attention.dga_units import focal_count
+from model.attention.base import Attention, AttnOut, KVCache, kv_cache_nbytes
+from model.attention.dga_units import DGAConfig, focal_count
 
 
-class GroupedKVCache:
-    """The cached (prefill and decode) half of DynamicGroupAttention, mixed into it."""
+class GroupedKVCache(Attention):
+    """The cached (prefill and decode) half of DynamicGroupAttention, its base. The selection and
+    attention steps it calls are DynamicGroupAttention's (declared here for the type checker)."""
+
+    cfg: DGAConfig
+    scale: float
+    if TYPE_CHECKING:
+
+        def _compress_causal(self, q, k, v, first: int, last: int, q_base: int = 0, k_base: int = 0) -> Any: ...
+        def _compress_sequence(self, q, k, v) -> Any: ...
+        def _needed_chunks(self, last_query_pos: int) -> int: ...
+        def _attend_window(self, q, q_pos, k, v, ck, cv, avail, k_base: int = 0) -> tuple[Tensor, Tensor]: ...
+        def _attend_complementary(self, q, q_pos, k, v, comp, ck, cv, avail) -> tuple[Tensor, Tensor]: ...
 
     def forward(self, q, k, v, *, hidden, positions, cache=None, documents=None) -> AttnOut:
         """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
