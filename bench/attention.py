@@ -8,10 +8,11 @@ Ratios divide by full attention's figure at the same length. Prints Markdown tab
 (``--json``), with the date, device, command and machine load.
 
 Peak memory. CUDA: ``torch.cuda.max_memory_allocated`` minus the allocation before the call. CPU: the growth of the
-process's peak resident set during the call (Linux ``VmHWM``, reset through ``/proc/self/clear_refs`` before every
-call), with glibc's mmap threshold fixed at 64 KiB so that every tensor buffer is its own mapping and returns to the
-system when freed (otherwise freed heap memory would be reused without showing up). It counts what the call touches:
-outputs, temporaries, saved activations, kernel scratch; the inputs exist before the call and are not counted.
+process's peak resident set during one call after a warm-up (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``
+before the call), measured in a child process per length whose glibc mmap threshold is fixed at 64 KiB, so that every
+tensor buffer is its own mapping and returns to the system when freed (otherwise freed heap memory would be reused
+without showing up). It counts what the call touches: outputs, temporaries, saved activations, kernel scratch; the
+inputs exist before the call and are not counted. Timing runs keep the default allocator.
 
 Limits on CPU: a variant whose CPU path materialises T x T scores (``dense=True``) runs only while
 batch x heads x T^2 x 4 bytes stays under ``--dense-gib``; any variant is skipped at a length where its time, scaled
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import datetime
 import inspect
 import json
@@ -32,6 +34,7 @@ import platform
 import re
 import shlex
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -124,6 +127,8 @@ class PeakMemory:
         self.device, self.peak = device, None
 
     def __enter__(self):
+        if self.device not in ("cuda", "cpu"):
+            return self
         if self.device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -138,6 +143,8 @@ class PeakMemory:
         return self
 
     def __exit__(self, *exc):
+        if self.device not in ("cuda", "cpu"):
+            return
         if self.device == "cuda":
             torch.cuda.synchronize()
             self.peak = torch.cuda.max_memory_allocated() - self.base
@@ -146,11 +153,11 @@ class PeakMemory:
 
 
 def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int | None]:
-    """(median seconds, median peak bytes) of ``repeat`` runs after one warm-up."""
+    """(median seconds of ``repeat`` runs after one warm-up, peak bytes on CUDA; None on CPU, see ``cpu_peaks``)."""
     fn()
     times, peaks = [], []
     for _ in range(repeat):
-        with PeakMemory(device) as mem:
+        with PeakMemory(device if device == "cuda" else "none") as mem:
             t0 = time.perf_counter()
             fn()
             if device == "cuda":
@@ -158,6 +165,48 @@ def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int
             times.append(time.perf_counter() - t0)
         peaks.append(mem.peak)
     return statistics.median(times), (None if None in peaks else int(statistics.median(peaks)))
+
+
+def cpu_peaks(t: int, labels: list[str], backward: list[str], dtype: torch.dtype) -> dict[str, dict[str, int | None]]:
+    """CPU peak memory of each case at length ``t`` (forward+backward too for the cases in ``backward``), measured
+    in a fresh child process whose glibc serves every buffer >= 64 KiB by its own mapping from the start (timing
+    runs keep the default allocator)."""
+    spec = json.dumps({"T": t, "labels": labels, "backward": backward, "dtype": str(dtype).removeprefix("torch.")})
+    child = subprocess.run(
+        [sys.executable, "-m", "bench.attention", "--memory-child", spec], capture_output=True, text=True
+    )
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        tail = (child.stderr.strip().splitlines() or ["no output"])[-1]
+        print(f"  peak memory at T={t}: the child failed ({tail[:160]})", flush=True)
+        return {}
+    return json.loads(lines[-1])
+
+
+def memory_child(spec: dict[str, Any]) -> None:
+    """Peak memory of one forward and one forward+backward (after a warm-up each) for the named cases at one length."""
+    fix_malloc_for_rss()
+    t, dtype = spec["T"], DTYPES[spec["dtype"]]
+    q, k, v, hidden = random_qkv(t, "cpu", dtype, seed=t)
+    positions = torch.arange(t)
+    out: dict[str, dict[str, int | None]] = {}
+    for case in [c for c in CASES if c.label in spec["labels"]]:
+        module = make(case.kind, case.options, t, "cpu", dtype)
+        inputs = (module, q, k, v, hidden, positions)
+        peaks: dict[str, int | None] = {"fwd_peak_bytes": None, "fwd_bwd_peak_bytes": None}
+        with_bwd = case.label in spec["backward"]
+        runs = [("fwd_peak_bytes", forward)] + ([("fwd_bwd_peak_bytes", forward_backward)] if with_bwd else [])
+        for key, fn in runs:
+            try:
+                fn(*inputs)
+                with PeakMemory("cpu") as mem:
+                    fn(*inputs)
+                peaks[key] = mem.peak
+            except (RuntimeError, MemoryError):
+                pass
+        out[case.label] = peaks
+        del module, inputs
+    print(json.dumps(out))
 
 
 def cache_nbytes(cache: KVCache) -> int:
@@ -283,13 +332,25 @@ def bench_forward(
             for key, ratio in RATIOS.items():
                 row[ratio] = row[key] / base[key] if base.get(key) and row.get(key) is not None else None
             rows.append(row)
-            peak = row["fwd_peak_bytes"]
             print(
                 f"  {case.label} T={t}: fwd {row['fwd_s'] * 1e3:.1f} ms"
-                + (f", fwd+bwd {row['fwd_bwd_s'] * 1e3:.1f} ms" if row["fwd_bwd_s"] else "")
-                + (f", fwd peak {peak / 2**20:.1f} MiB" if peak is not None else ""),
+                + (f", fwd+bwd {row['fwd_bwd_s'] * 1e3:.1f} ms" if row["fwd_bwd_s"] else ""),
                 flush=True,
             )
+        at_t = [r for r in rows if r["T"] == t]
+        if device == "cpu" and at_t:
+            del q, k, v, hidden
+            peaks = cpu_peaks(
+                t, [r["case"] for r in at_t], [r["case"] for r in at_t if r["fwd_bwd_s"] is not None], dtype
+            )
+            for r in at_t:
+                r.update(peaks.get(r["case"], {}))
+            base = next((r for r in at_t if r["kind"] == "full"), {})
+            for r in at_t:
+                for key in ("fwd_peak_bytes", "fwd_bwd_peak_bytes"):
+                    have = base.get(key) and r.get(key) is not None
+                    r[RATIOS[key]] = r[key] / base[key] if have else None
+            print(f"  peak memory at T={t}: measured in a child process", flush=True)
     return rows
 
 
@@ -427,9 +488,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dense-gib", type=float, default=1.0, help="CPU: largest T x T score tensor a case may hold")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="skip a run predicted to take longer")
     parser.add_argument("--no-decode", action="store_true")
+    parser.add_argument("--no-backward", action="store_true", help="forward only")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
     parser.add_argument("--quick", action="store_true", help="a smoke run: T 256 and 512, contexts 512, 1 repeat")
+    parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_child:
+        memory_child(json.loads(args.memory_child))
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     dtype = DTYPES[args.dtype or ("bfloat16" if args.device == "cuda" else "float32")]
@@ -438,7 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     repeat, steps = (1, 4) if args.quick else (args.repeat, args.steps)
     words = [w.strip() for w in args.cases.split(",") if w.strip()]
     cases = [c for c in CASES if c.kind == "full" or not words or any(w in c.label for w in words)]
-    measured = fix_malloc_for_rss() if args.device == "cpu" else True
+    if args.no_backward:
+        cases = [dataclasses.replace(c, backward=False) for c in cases]
     torch.manual_seed(0)
     cpu = platform.processor() or platform.machine()
     device = (
@@ -458,8 +525,9 @@ def main(argv: list[str] | None = None) -> None:
         "memory_method": (
             "torch.cuda.max_memory_allocated growth during the call"
             if args.device == "cuda"
-            else "growth of the process's peak RSS (VmHWM, reset via /proc/self/clear_refs) during the call, glibc "
-            "mmap threshold fixed at 64 KiB" + ("" if measured else " (mallopt failed: freed memory may be reused)")
+            else "growth of the peak RSS (VmHWM, reset via /proc/self/clear_refs) during one call after a warm-up, "
+            "in a child process per length whose glibc mmap threshold is fixed at 64 KiB (every buffer its own "
+            "mapping, returned when freed); the inputs exist before the call"
         ),
         "skipped": [],
     }
