@@ -19,7 +19,8 @@ from tests.interop.conftest import SMALL, our_checkpoint
 
 pytest.importorskip("lm_eval")
 
-from eval.harness import TASK_DIR, FocusedLM, evaluate, resolve_data_dir  # noqa: E402
+from eval.harness import TASK_DIR, FocusedLM, evaluate  # noqa: E402
+from run.config import resolve_data_dir  # noqa: E402
 
 
 @pytest.fixture(scope="module")
