@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import multiprocessing
+import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -24,13 +26,15 @@ from tqdm import tqdm
 
 from core.errors import ConfigError, check_choice, check_min, check_range
 from data.config import SOURCES, DataConfig
+from data.prepare_output import Journal, check_writable, partial_dir, partial_output
 from data.shards import (
     DEFAULT_SHARD_TOKENS,
     DTYPES,
+    FORMAT,
     SPLITS,
+    VERSION,
     SplitRecord,
     SplitWriter,
-    atomic_output,
     check_output,
     make_index,
     shard_dtype,
@@ -134,6 +138,7 @@ _WORKER_TOKENIZER: Tokenizer | None = None
 
 def _worker_init(tokenizer: Tokenizer | str) -> None:
     global _WORKER_TOKENIZER
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: no traceback per worker
     _WORKER_TOKENIZER = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
 
 
@@ -165,10 +170,12 @@ class Encoder:
             # spawn, not fork: a forked child inherits the parent's threads' locks (tqdm, torch, SentencePiece) mid-use
             self.pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_worker_init, initargs=(ref,))
 
-    def map(self, texts: Iterable[str]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def map(self, texts: Iterable[str], skip: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Tokenised chunks of ``texts`` in order, after the first ``skip`` chunks (already written)."""
+        chunks = itertools.islice(chunk_texts(texts), skip, None)
         if self.pool is None:
-            return (encode_chunk(self.tokenizer, chunk) for chunk in chunk_texts(texts))
-        return self.pool.imap(_worker_encode, chunk_texts(texts))  # imap keeps the input order
+            return (encode_chunk(self.tokenizer, chunk) for chunk in chunks)
+        return self.pool.imap(_worker_encode, chunks)  # imap keeps the input order
 
     def close(self) -> None:
         if self.pool is not None:
@@ -207,31 +214,40 @@ def resolve_tokenizer(
 
 
 def write_splits(
-    directory: Path,
+    journal: Journal,
     cfg: PrepareConfig,
     tokenizer: Tokenizer,
     splits: dict[str, list[Document]],
     progress: bool,
 ) -> dict[str, SplitRecord]:
-    dtype = shard_dtype(tokenizer.vocab_size)
-    writers = {name: SplitWriter(directory, name, dtype, cfg.shard_tokens) for name in SPLITS}
+    """Every split's token stream into ``journal``'s folder, continuing where its progress left off."""
+    writers = journal.writers(shard_dtype(tokenizer.vocab_size), cfg.shard_tokens)
     lone = sum(len(docs) for docs in splits.values()) == 1
     encoder = Encoder(tokenizer, cfg.workers)
     total = sum(len(docs) for docs in splits.values())
-    bar = tqdm(total=total, unit="doc", desc="tokenising", disable=not progress, dynamic_ncols=True)
+    done = sum(journal.state.documents.values())
+    bar = tqdm(total=total, initial=done, unit="doc", desc="tokenising", disable=not progress, dynamic_ncols=True)
     try:
         for name in SPLITS:
-            for tokens, lengths in encoder.map(d.text for d in splits[name]):
+            for tokens, lengths in encoder.map((d.text for d in splits[name]), skip=journal.state.chunks[name]):
                 if lone:
                     _write_lone_document(writers, tokens, cfg.val_fraction)
                 else:
                     writers[name].write(tokens, _doc_starts(lengths))
+                journal.chunk_done(name, len(lengths), writers)
                 bar.update(len(lengths))
                 bar.set_postfix_str(f"{sum(w.record.tokens for w in writers.values()):,} tokens", refresh=False)
     finally:
         bar.close()
         encoder.close()
     return {name: w.close() for name, w in writers.items()}
+
+
+def resume_key(content: str, cfg: PrepareConfig, tokenizer: Tokenizer) -> str:
+    """What fixes the bytes written chunk by chunk: a partial folder resumes only under the same key."""
+    parts = [FORMAT, str(VERSION), content, repr(float(cfg.val_fraction)), tokenizer.fingerprint]
+    parts += [str(cfg.shard_tokens), shard_dtype(tokenizer.vocab_size), str(CHUNK_DOCS), str(CHUNK_CHARS)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
 def _write_lone_document(writers: dict[str, SplitWriter], tokens: np.ndarray, val_fraction: float) -> None:
@@ -251,16 +267,19 @@ def prepare(
     """
     cfg.validate()
     check_output(Path(cfg.out).expanduser(), cfg.overwrite)  # before the slow part
+    check_writable(Path(cfg.out))
     from data.build import _content_hash, split_documents
 
     docs = read_documents(cfg)
     content = _content_hash(docs)
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     tok = tokenizer or resolve_tokenizer(cfg, docs, train_docs, content, log)
-    with atomic_output(cfg.out, overwrite=cfg.overwrite) as tmp:
+    key = resume_key(content, cfg, tok)
+    with partial_output(cfg.out, key=key, overwrite=cfg.overwrite, log=log) as journal:
+        tmp = journal.directory
         tok_file = tok.save(tmp).name
         splits = {"train": train_docs, "val": val_docs}
-        records = write_splits(tmp, cfg, tok, splits, progress)
+        records = write_splits(journal, cfg, tok, splits, progress)
         for name, record in records.items():
             record.content_sha256 = _content_hash(splits[name])
         source = {"source": cfg.source, "path": cfg.path, "text_field": cfg.text_field}
@@ -350,13 +369,34 @@ def parse_args(argv: list[str] | None) -> PrepareConfig:
     )
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
+
+
+def _terminate(signum, frame) -> None:
+    raise Terminated(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         result = prepare(cfg, log=lambda line: print(line, file=sys.stderr, flush=True))
     except ConfigError as exc:
         print(f"error: {_cli_message(str(exc))}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as exc:
+        signum = int(exc.args[0]) if isinstance(exc, Terminated) else int(signal.SIGINT)
+        kept = partial_dir(Path(cfg.out).expanduser().absolute())
+        where = f"; the shards written so far are kept in {kept}: the same command resumes" if kept.is_dir() else ""
+        print(f"error: interrupted by {signal.Signals(signum).name}{where}", file=sys.stderr)
+        return 128 + signum
+    except OSError as exc:  # disk full, a folder made read-only meanwhile ...
+        name = f" ({exc.filename})" if exc.filename else ""
+        print(f"error: --out: {exc.strerror or exc}{name}", file=sys.stderr)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(result.summary)
     return 0
 

@@ -10,19 +10,18 @@ A prepared directory (written by ``python -m data.prepare``) holds:
 - the tokenizer file (``tokenizer.model`` or ``tokenizer.json``), copied in.
 - ``index.json`` (see ``make_index``), written last; a directory is complete when it has one.
 
-The whole directory is written under ``<out>.tmp-<pid>`` and renamed into place, so a crash
-never leaves a half-written ``<out>``. ``PreparedDataset`` presents a split exactly like
+The whole directory is written under ``<out>.partial`` and renamed into place, so a crash
+never leaves a half-written ``<out>``; an interrupted run resumes from what its progress journal
+recorded there (data/prepare_output.py). ``PreparedDataset`` presents a split exactly like
 ``PackedDataset``: sequence i is ``stream[i*T : i*T + T + 1]``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
-import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,7 +29,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from core.errors import ConfigError
-from core.files import fsync_dir
 
 if TYPE_CHECKING:
     import torch
@@ -73,16 +71,43 @@ class SplitRecord:
     shards: list[ShardRecord] = field(default_factory=list)
 
 
+class StaleProgress(Exception):
+    """Files that do not hold what a progress journal says they hold: start the output afresh."""
+
+
 class SplitWriter:
     """Appends one split's token stream to shards of exactly ``shard_tokens`` tokens (the last shorter)."""
 
-    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int):
+    def __init__(self, directory: Path, split: str, dtype: str, shard_tokens: int, record: SplitRecord | None = None):
+        """``record``: resume a split an interrupted run wrote (its shards as a progress journal recorded
+        them): bytes past the record are cut off and shard files it does not list are removed."""
         if shard_tokens < 1:
             raise ConfigError(f"--shard-tokens: must be >= 1, got {shard_tokens}")
         self.directory, self.split = Path(directory), split
         self.dtype, self.cap = DTYPES[dtype], shard_tokens
-        self.record = SplitRecord()
+        self.record = record if record is not None else SplitRecord()
         self._file = None
+        if record is not None:
+            self._reopen()
+
+    def _reopen(self) -> None:
+        listed = {shard.file for shard in self.record.shards}
+        for path in self.directory.glob(f"{self.split}_*.bin"):
+            if path.name not in listed:
+                path.unlink()
+        for shard in self.record.shards:
+            path, size = self.directory / shard.file, shard.tokens * self.dtype.itemsize
+            if not path.is_file() or path.stat().st_size < size:
+                raise StaleProgress(f"{path.name} is shorter than its progress record")
+            os.truncate(path, size)
+        if self.record.shards and self.record.shards[-1].tokens < self.cap:
+            self._file = open(self.directory / self.record.shards[-1].file, "ab")  # noqa: SIM115 - as _current_shard
+
+    def sync(self) -> None:
+        """The open shard's bytes on disk (before a progress journal records them)."""
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
 
     def write(self, tokens: np.ndarray, doc_starts: Sequence[int] | np.ndarray = ()) -> None:
         """Append ``tokens``; ``doc_starts`` are the offsets in ``tokens`` where a document begins."""
@@ -187,41 +212,6 @@ def check_output(out: Path, overwrite: bool) -> None:
         )
     if not overwrite:
         raise ConfigError(f"--out: {str(out)!r} already holds prepared shards; pass --overwrite to replace them")
-
-
-def _commit(tmp: Path, out: Path, overwrite: bool) -> None:
-    check_output(out, overwrite)  # again: another process may have written ``out`` meanwhile
-    if out.is_dir() and any(out.iterdir()):
-        # rename() cannot replace a non-empty directory: move the old one aside, then swap
-        old = out.with_name(f"{out.name}.old-{os.getpid()}")
-        os.rename(out, old)
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old, out)
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, out)  # atomic; also replaces an empty directory
-    with contextlib.suppress(OSError):  # not every filesystem lets a directory be opened
-        fsync_dir(out.parent)
-
-
-@contextlib.contextmanager
-def atomic_output(out: str | Path, *, overwrite: bool = False) -> Iterator[Path]:
-    """Yields a temporary sibling folder to fill; on success it becomes ``out``, on any error it is deleted."""
-    out = Path(out).expanduser().absolute()
-    check_output(out, overwrite)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f"{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)  # a leftover of an earlier crashed run with this pid
-    tmp.mkdir()
-    try:
-        yield tmp
-        _commit(tmp, out, overwrite)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 # ---- reading ------------------------------------------------------------------------------

@@ -4,8 +4,10 @@ import hashlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -275,6 +277,109 @@ def test_damaged_directory_gives_one_line_errors(tmp_path, corpus, sp_path):
         open_prepared(tmp_path, 8)
 
 
+_WRITE = SplitWriter.write
+
+
+def folder_bytes(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Two documents per tokenisation chunk and a journal after every chunk: resumes at fine grain."""
+    import data.prepare
+    import data.prepare_output
+
+    monkeypatch.setattr(data.prepare, "CHUNK_DOCS", 2)
+    monkeypatch.setattr(data.prepare_output, "JOURNAL_SECONDS", 0.0)
+
+
+def interrupt_after(monkeypatch, writes: int, *, garbage: bool = False):
+    """KeyboardInterrupt after ``writes`` SplitWriter.write calls; ``garbage``: first append bytes the
+    journal never recorded, as a kill between a write and its journal entry leaves them."""
+    original, count = _WRITE, [0]
+
+    def write(self, *args, **kwargs):
+        if count[0] == writes:
+            if garbage and self._file is not None:
+                self._file.write(b"\xff" * 10)
+                self._file.flush()
+            raise KeyboardInterrupt
+        count[0] += 1
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(SplitWriter, "write", write)
+
+
+def restore_write(monkeypatch):
+    monkeypatch.setattr(SplitWriter, "write", _WRITE)
+
+
+@pytest.mark.parametrize("garbage", [False, True])
+def test_an_interrupted_prepare_resumes_to_the_same_bytes(
+    tmp_path, corpus, sp_path, monkeypatch, small_chunks, garbage
+):
+    tok = load_tokenizer(sp_path)
+    reference = run_prepare(corpus, tmp_path / "reference", tokenizer=tok, shard_tokens=97)
+    interrupt_after(monkeypatch, 3, garbage=garbage)
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare(corpus, tmp_path / "out", tokenizer=tok, shard_tokens=97)
+    partial = tmp_path / "out.partial"
+    assert (partial / "progress.json").is_file() and not (partial / "owner").exists()
+    assert not (tmp_path / "out").exists()
+    restore_write(monkeypatch)
+    notes: list[str] = []
+    cfg = PrepareConfig(out=str(tmp_path / "out"), path=str(corpus), shard_tokens=97)
+    resumed = prepare(cfg, tokenizer=tok, log=notes.append, progress=False)
+    assert any(n.startswith(f"resuming {partial}: 6 documents") for n in notes), notes
+    assert folder_bytes(resumed.out) == folder_bytes(reference.out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "reference"]
+
+
+def test_a_partial_folder_from_other_inputs_is_discarded(tmp_path, corpus, sp_path, monkeypatch, small_chunks):
+    tok = load_tokenizer(sp_path)
+    interrupt_after(monkeypatch, 2)
+    with pytest.raises(KeyboardInterrupt):
+        run_prepare(corpus, tmp_path / "out", tokenizer=tok, shard_tokens=97)
+    restore_write(monkeypatch)
+    notes: list[str] = []
+    cfg = PrepareConfig(out=str(tmp_path / "out"), path=str(corpus), shard_tokens=50)
+    done = prepare(cfg, tokenizer=tok, log=notes.append, progress=False)
+    assert notes == [f"note: discarding {tmp_path / 'out.partial'} (left by a run with other inputs, or unreadable)"]
+    reference = run_prepare(corpus, tmp_path / "reference", tokenizer=tok, shard_tokens=50)
+    assert folder_bytes(done.out) == folder_bytes(reference.out)
+
+
+def test_a_second_live_prepare_on_the_same_out_is_refused(tmp_path, corpus, sp_path):
+    partial = tmp_path / "out.partial"
+    partial.mkdir()
+    (partial / "owner").write_text(f"{os.getppid()}\n")  # a live process that is not this one
+    with pytest.raises(ConfigError, match=r"^--out: another data.prepare \(pid \d+\) is writing"):
+        run_prepare(corpus, tmp_path / "out", tokenizer=load_tokenizer(sp_path))
+    (partial / "owner").write_text("999999999\n")  # a dead one: taken over
+    assert run_prepare(corpus, tmp_path / "out", tokenizer=load_tokenizer(sp_path)).out.is_dir()
+
+
+@pytest.mark.parametrize("where", ["file", "readonly"])
+def test_an_unwritable_out_is_refused_before_the_tokenizer_is_trained(tmp_path, corpus, monkeypatch, where):
+    import data.prepare
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("the tokenizer was trained before --out was checked")
+
+    monkeypatch.setattr(data.prepare, "resolve_tokenizer", no_training)
+    if where == "file":
+        (tmp_path / "file").write_text("x")
+        out, needle = tmp_path / "file" / "shards", "which is a file"
+    else:
+        out, needle = Path("/sys/focused-pretrain-shards"), "cannot write in '/sys'"
+        if os.access("/sys", os.W_OK) and not Path("/sys/kernel").is_dir():
+            pytest.skip("no read-only /sys here")
+    with pytest.raises(ConfigError) as err:
+        run_prepare(corpus, out)
+    assert str(err.value).startswith("--out: ") and needle in str(err.value) and "\n" not in str(err.value)
+
+
 def cli(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run(
@@ -302,6 +407,59 @@ def test_cli_end_to_end(tmp_path, corpus):
     assert again.returncode == 2 and again.stderr.strip().splitlines() == [
         f"error: --out: {str(out)!r} already holds prepared shards; pass --overwrite to replace them"
     ]
+
+
+SLOW_PREPARE = """
+import sys, time
+import data.prepare as P
+import data.prepare_output as O
+P.CHUNK_DOCS = 1
+O.JOURNAL_SECONDS = 0.0
+if sys.argv[1] == "slow":  # a chunk takes long enough to signal the process in the middle of the run
+    encode = P.encode_chunk
+    P.encode_chunk = lambda tok, texts: (time.sleep(0.3), encode(tok, texts))[1]
+sys.exit(P.main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_cli_killed_mid_run_resumes_to_the_same_bytes(tmp_path, corpus, sp_path, sig):
+    script = tmp_path / "prepare.py"
+    script.write_text(SLOW_PREPARE)
+    args = ["--path", str(corpus), "--tokenizer", str(sp_path), "--shard-tokens", "97"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+
+    def run(mode: str, out: Path) -> subprocess.Popen:
+        cmd = [sys.executable, str(script), mode, *args, "--out", str(out)]
+        return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    reference = run("fast", tmp_path / "reference")
+    assert reference.wait(timeout=120) == 0, reference.stderr.read()
+    proc = run("slow", tmp_path / "out")
+    progress = tmp_path / "out.partial" / "progress.json"
+    deadline = time.monotonic() + 60
+    while not progress.is_file() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.05)
+    time.sleep(0.4)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 128 + sig, err
+        lines = [line for line in err.splitlines() if line.startswith("error")]
+        assert lines == [
+            f"error: interrupted by SIGTERM; the shards written so far are kept in {tmp_path / 'out.partial'}: the "
+            "same command resumes"
+        ], err
+        assert "Traceback" not in err and not (tmp_path / "out.partial" / "owner").exists()
+    else:
+        assert proc.returncode == -sig
+    assert not (tmp_path / "out").exists()
+    again = run("fast", tmp_path / "out")
+    _, err = again.communicate(timeout=120)
+    assert again.returncode == 0 and f"resuming {tmp_path / 'out.partial'}" in err, err
+    assert folder_bytes(tmp_path / "out") == folder_bytes(tmp_path / "reference")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "prepare.py", "reference"]
 
 
 @pytest.mark.parametrize(
