@@ -153,6 +153,15 @@ def load_texts(data: str) -> tuple[list[str], str]:
     return [d.text for d in iter_embedded()], "the embedded corpus"
 
 
+def _as_data_option(exc: Exception) -> str:
+    """Errors from the shared data code name data.path / --path; here the option is --data."""
+    message = str(exc)
+    for key in ("data.path:", "--path:"):
+        if message.startswith(key):
+            return "--data:" + message[len(key) :]
+    return message
+
+
 def text_folder(data: str, texts: list[str], tmp: Path) -> str:
     """A local path the streaming loader can read: --data itself, or the embedded plays written out as .txt."""
     if data:
@@ -240,7 +249,11 @@ def main(argv: list[str] | None = None) -> int:
     from data.prepare import PrepareConfig, prepare
     from data.shards import load_prepared_tokenizer, open_prepared
 
-    texts, corpus = load_texts(args.data)
+    try:
+        texts, corpus = load_texts(args.data)
+    except ConfigError as exc:
+        print(f"error: {_as_data_option(exc)}", file=sys.stderr)
+        return 2
     batch, seq_len = 8, 1024
     with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
         cfg = PrepareConfig(
@@ -255,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             prepared = prepare(cfg, log=lambda line: print(line, file=sys.stderr), progress=False)
             train, _, index = open_prepared(cfg.out, seq_len)
         except ConfigError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            print(f"error: {_as_data_option(exc)}", file=sys.stderr)
             return 2
         if len(train) < 1:
             print(
