@@ -142,6 +142,8 @@ class ModelConfig:
         if self.uses_rope and self.head_dim % 2:
             raise ConfigError(f"model.n_heads: RoPE needs an even head dimension, got {self.head_dim}")
         check_range("model.dropout", self.dropout, 0.0, 1.0, open_high=True)
+        check_range("model.init_std", self.init_std, 0.0, 1.0, open_low=True)  # torch refuses std < 0 mid-build
+        check_min("model.norm_eps", self.norm_eps, 0.0)
         check_min("model.d_ff", self.d_ff, 0, note=" (0 = the family's default)")
         self.rope.validate()
         self.attention.validate()
@@ -179,6 +181,7 @@ def preset_dict(name: str) -> dict[str, Any]:
 
 def model_config_from_dict(data: dict[str, Any]) -> ModelConfig:
     """``model`` table -> ModelConfig: the preset (if any) first, then every key the table sets."""
+    configlib.require_table(data, "model.")  # `model = 5`: one line, not an AttributeError
     base = ModelConfig()
     if data.get("preset", "") != "":  # "" (what a run without a preset resolves to) = no preset
         if not isinstance(data["preset"], str):
