@@ -1,15 +1,17 @@
 """Helpers of the streaming tests: a byte-level tokenizer (documents read back out of sequences exactly),
-small corpora of random letters as local files or a SlimPajama mirror, one worker's documents of an epoch."""
+small corpora of random letters as local files or a SlimPajama mirror, one worker's documents of an epoch, and
+a loader run that stops, saves its state and is resumed by a second loader."""
 
 from __future__ import annotations
 
 import itertools
 import json
+from typing import NamedTuple
 
 import numpy as np
 import zstandard
 
-from data.streaming import StreamDataset
+from data.streaming import StreamDataset, StreamLoader, build_stream_loader
 
 
 class ByteTokenizer:
@@ -63,3 +65,31 @@ def epoch_ids(ds: StreamDataset, worker: int, workers: int, epoch: int) -> list[
             return out
         if doc.epoch == epoch:
             out.append(doc.id)
+
+
+class Resumed(NamedTuple):
+    out: list  # the uninterrupted loader's batches, stop + steps of them
+    after: list  # the resumed loader's first ``steps`` batches
+    loader: StreamLoader
+    resumed: StreamLoader
+    state: dict  # the loader state after ``stop`` batches
+    counts: dict[str, int]  # token counts after ``stop`` batches, and ...
+    resumed_counts: dict[str, int]  # ... the resumed loader's before its first batch
+
+
+def stop_and_resume(cfg, *, stop: int, steps: int, batch: int, resume_cfg=None, edit=None, **kw) -> Resumed:
+    """``stop + steps`` batches of one loader, its state saved after ``stop``; a second loader (``resume_cfg``, the
+    state passed through ``edit``) loads that state and gives ``steps`` batches."""
+    tok = ByteTokenizer()
+    loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, **kw)
+    it, out = iter(loader), []
+    for step in range(stop + steps):
+        out.append(next(it))
+        if step + 1 == stop:
+            state, counts = loader.state_dict(), loader.token_counts()
+    resumed = build_stream_loader(resume_cfg or cfg, tok, seq_len=T, batch_size=batch, **kw)
+    resumed.load_state_dict(edit(state) if edit else state)
+    resumed_counts = resumed.token_counts()
+    again = iter(resumed)
+    after = [next(again) for _ in range(steps)]
+    return Resumed(out, after, loader, resumed, state, counts, resumed_counts)

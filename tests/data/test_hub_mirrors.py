@@ -16,7 +16,7 @@ from core.errors import ConfigError
 from data import stream_sources
 from data.streaming import HUB_SOURCES, StreamConfig, StreamDataset, build_stream_loader, token_counts
 from tests.data import mirrors
-from tests.data.streams import ByteTokenizer, T
+from tests.data.streams import ByteTokenizer, T, stop_and_resume
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's, on every loader
 
@@ -110,19 +110,11 @@ def test_resume_gives_the_next_sequences_exactly_2_ranks_x_2_workers(name, hub, 
     monkeypatch.setattr(stream_sources, "READ_BATCH", 3)  # restores go through datasets' own file states
     mirror, _ = hub[name]
     cfg = StreamConfig(source=name, path=mirror, shuffle_window=4, seed=9, num_workers=2)
-    tok, batch, stop, steps = ByteTokenizer(), 4, 13, 100
+    batch, stop, steps = 4, 13, 100
     for rank in range(2):
-        loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        it, out = iter(loader), []
-        for step in range(stop + steps):
-            out.append(next(it))
-            if step + 1 == stop:
-                state = loader.state_dict()
-        resumed = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        resumed.load_state_dict(state)
-        again = iter(resumed)
-        assert all(torch.equal(a, next(again)) for a in out[stop:]), f"{name} rank {rank}"
-        assert resumed.token_counts() == loader.token_counts() == {name: (stop + steps) * batch * T}
+        run = stop_and_resume(cfg, stop=stop, steps=steps, batch=batch, rank=rank, world_size=2)
+        assert all(torch.equal(a, b) for a, b in zip(run.out[stop:], run.after)), f"{name} rank {rank}"
+        assert run.resumed.token_counts() == run.loader.token_counts() == {name: (stop + steps) * batch * T}
 
 
 def mixture_config(hub, weighting: str, **kw) -> StreamConfig:
@@ -171,20 +163,12 @@ def test_token_weighted_mixture_holds_its_weights_with_novels_against_web_pages(
 def test_token_weighted_mixture_of_mirrors_resumes_exactly_on_2_ranks(hub, monkeypatch):
     monkeypatch.setattr(stream_sources, "READ_BATCH", 4)
     cfg = mixture_config(hub, "tokens", num_workers=2)
-    tok, batch, stop, steps = ByteTokenizer(), 4, 17, 60
+    stop = 17
     for rank in range(2):
-        loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        it, out = iter(loader), []
-        for step in range(stop + steps):
-            out.append(next(it))
-            if step + 1 == stop:
-                state, counts = loader.state_dict(), loader.token_counts()
-        resumed = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        resumed.load_state_dict(state)
-        assert resumed.token_counts() == counts
-        again = iter(resumed)
-        assert all(torch.equal(a, next(again)) for a in out[stop:]), f"rank {rank}"
-        assert token_counts(resumed.state_dict()) == loader.token_counts()
+        run = stop_and_resume(cfg, stop=stop, steps=60, batch=4, rank=rank, world_size=2)
+        assert run.resumed_counts == run.counts
+        assert all(torch.equal(a, b) for a, b in zip(run.out[stop:], run.after)), f"rank {rank}"
+        assert token_counts(run.resumed.state_dict()) == run.loader.token_counts()
 
 
 def test_a_mirror_that_cannot_serve_the_source_is_a_one_line_error(hub, tmp_path):

@@ -18,7 +18,7 @@ from core.errors import ConfigError
 from data import stream_sources
 from data.stream_resume import find_states
 from data.streaming import StreamConfig, StreamDataset, build_stream_loader, token_counts
-from tests.data.streams import EOS, ByteTokenizer, T, epoch_docs, make_corpus
+from tests.data.streams import EOS, ByteTokenizer, T, epoch_docs, make_corpus, stop_and_resume
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's, on every loader
 
@@ -53,18 +53,11 @@ def test_document_weighted_mixture_follows_the_weights_and_the_seed(tmp_path):
 def test_mixture_resumes_exactly_and_counts_tokens_per_source(weighting, tmp_path, monkeypatch):
     monkeypatch.setattr(stream_sources, "READ_BATCH", 7)
     cfg, a, b = mixture_fixture(tmp_path, weighting)
-    tok, stop, steps = ByteTokenizer(), 23, 60
-    loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=4, num_workers=2)
-    it, out = iter(loader), []
-    for step in range(stop + steps):
-        out.append(next(it))
-        if step + 1 == stop:
-            state, counts_at_stop = loader.state_dict(), loader.token_counts()
-    resumed = build_stream_loader(cfg, tok, seq_len=T, batch_size=4, num_workers=2)
-    resumed.load_state_dict(state)
-    assert resumed.token_counts() == counts_at_stop
-    again = iter(resumed)
-    assert all(torch.equal(x, next(again)) for x in out[stop:])
+    stop = 23
+    run = stop_and_resume(cfg, stop=stop, steps=60, batch=4, num_workers=2)
+    assert run.resumed_counts == run.counts
+    assert all(torch.equal(x, y) for x, y in zip(run.out[stop:], run.after))
+    loader, out = run.loader, run.out
     # attribute every target token: letters a-m come from source a, n-z from b, an EOS from its document
     expected, mixed = {a: 0, b: 0}, 0
     for seq in (s for batch in out for s in batch.tolist()):
@@ -94,27 +87,17 @@ def test_a_document_weighted_state_from_before_weightings_resumes_as_it_was(tmp_
     """A checkpoint written before data.mixture_weighting existed continues its document-weighted stream exactly
     under today's default (tokens) and keeps its format; a state that records its weighting must match."""
     cfg, _, _ = mixture_fixture(tmp_path, "documents")
-    tok, stop, steps = ByteTokenizer(), 11, 30
-    loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=4, num_workers=2)
-    it, out = iter(loader), []
-    for step in range(stop + steps):
-        out.append(next(it))
-        if step + 1 == stop:
-            state = loader.state_dict()
-    old = without_weighting(state)
-    assert all("weighting" not in s and "draws" in s for s in find_states(old))
-    default = replace(cfg, mixture_weighting="tokens")
-    resumed = build_stream_loader(default, tok, seq_len=T, batch_size=4, num_workers=2)
-    resumed.load_state_dict(old)
-    again = iter(resumed)
-    assert all(torch.equal(x, next(again)) for x in out[stop:])
-    assert all("weighting" not in s for s in find_states(resumed.state_dict()))  # that stream to the end
+    stop, default = 11, replace(cfg, mixture_weighting="tokens")
+    run = stop_and_resume(cfg, stop=stop, steps=30, batch=4, num_workers=2, resume_cfg=default, edit=without_weighting)
+    assert all("weighting" not in s and "draws" in s for s in find_states(without_weighting(run.state)))
+    assert all(torch.equal(x, y) for x, y in zip(run.out[stop:], run.after))
+    assert all("weighting" not in s for s in find_states(run.resumed.state_dict()))  # that stream to the end
     with pytest.raises(
         ConfigError,
         match=r"^data\.mixture_weighting: the checkpoint's mixture weighted documents, this run tokens; "
         r"set data\.mixture_weighting = 'documents' to resume it$",
     ):
-        build_stream_loader(default, tok, seq_len=T, batch_size=4, num_workers=2).load_state_dict(state)
+        build_stream_loader(default, ByteTokenizer(), seq_len=T, batch_size=4, num_workers=2).load_state_dict(run.state)
 
 
 def test_token_weighted_positions_rederive_on_another_world_size(tmp_path):

@@ -27,7 +27,7 @@ from data.streaming import (
     document_positions,
     token_counts,
 )
-from tests.data.streams import EOS, ByteTokenizer, T, epoch_ids, make_corpus, write_jsonl
+from tests.data.streams import EOS, ByteTokenizer, T, epoch_ids, make_corpus, stop_and_resume, write_jsonl
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")  # torchdata's, on every loader
 
@@ -109,24 +109,15 @@ def test_resume_gives_the_next_1000_sequences_2_ranks_x_2_workers(kind, tmp_path
     # shards span several datasets reads: restores go through their states
     monkeypatch.setattr(stream_sources, "READ_BATCH", 5)
     cfg, _ = source_config(kind, tmp_path, shuffle_window=8, seed=7, num_workers=2)
-    tok, batch, steps = ByteTokenizer(), 8, 1000 // 8
+    batch, steps = 8, 1000 // 8
     per_rank = []
     for rank, stop in ((0, 37), (1, 50)):  # arbitrary steps: the last batch before each came from worker 0 / 1
-        loader = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        it, out, state = iter(loader), [], None
-        for step in range(stop + steps):
-            out.append(next(it))
-            if step + 1 == stop:
-                state = loader.state_dict()
-        resumed = build_stream_loader(cfg, tok, seq_len=T, batch_size=batch, rank=rank, world_size=2)
-        resumed.load_state_dict(state)
-        again = iter(resumed)
-        after = [next(again) for _ in range(steps)]
-        assert all(a.shape == (batch, T + 1) and a.dtype == torch.int64 for a in after)
-        assert all(torch.equal(a, b) for a, b in zip(out[stop:], after)), f"rank {rank}"
+        run = stop_and_resume(cfg, stop=stop, steps=steps, batch=batch, rank=rank, world_size=2)
+        assert all(a.shape == (batch, T + 1) and a.dtype == torch.int64 for a in run.after)
+        assert all(torch.equal(a, b) for a, b in zip(run.out[stop:], run.after)), f"rank {rank}"
         name = "slimpajama" if cfg.source == "slimpajama" else cfg.path
-        assert resumed.token_counts() == loader.token_counts() == {name: len(out) * batch * T}
-        per_rank.append(out[0])
+        assert run.resumed.token_counts() == run.loader.token_counts() == {name: len(run.out) * batch * T}
+        per_rank.append(run.out[0])
     assert not torch.equal(per_rank[0], per_rank[1])
 
 
