@@ -21,6 +21,7 @@ import datetime as dt
 import hashlib
 import multiprocessing
 import os
+import resource
 import shlex
 import subprocess
 import sys
@@ -183,6 +184,12 @@ def cpu_line(jobs: int, threads: int) -> str:
     )
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished children (the workers, once the pool is shut)."""
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
 def git_version() -> str:
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=REPO, capture_output=True, text=True)
@@ -290,8 +297,10 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_start": [round(x, 2) for x in load_start],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
         "wall_seconds": time.perf_counter() - started,
+        "cpu_seconds": cpu_seconds(),
         "code_version": git_version(),
         "groups": groups,
+        "jobs": args.jobs,
         "data": {
             "path": str(data),
             "files": [f.name for f in files],
