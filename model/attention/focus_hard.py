@@ -47,6 +47,8 @@ from model.attention.flex import cached_block_mask, flex_attention_fn
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 MASK_ELEMENTS = 1 << 20  # entries of one additive mask chunk (4 MiB in float32)
+STACK_SLACK = 1.25  # top_k = 1: one call for all groups while padding them to the largest adds <= 25% rows
+BAND_ELEMENTS = 1 << 18  # mask entries per band chunk (1 MiB in float32: keeps the peak memory near the output's)
 CLASS_LEVELS = (1024, 128)  # query chunk sizes of the class split's staircase (see HardPlan._class_parts)
 CLASS_LIMIT = 4  # class split while the distinct memberships per sequence are at most CLASS_LIMIT * K
 NEG_INF = float("-inf")
@@ -84,6 +86,32 @@ class _Rows:
 
     def add(self, dst: Tensor, val: Tensor) -> None:
         dst[self.b].index_add_(1, self.idx, val[0].to(dst.dtype))
+
+
+class _Stacked:
+    """N position-ordered row lists of sequence ``b``, each padded at its end to L rows, gathered in one go as N
+    problems [N, H, L, ...]. Padded slots repeat row 0; they follow every real row of their list, so under the
+    kernel's causal mask no real query sees them; they are never written back, and the backward gives them zero
+    probability (``_Part.pad``)."""
+
+    def __init__(self, b: int, idx: Tensor, real: Tensor):
+        self.b, self.idx = b, idx  # [N, L] token rows
+        self.real = torch.nonzero(real.flatten()).squeeze(1)  # slots holding real rows
+        self.rows = idx.flatten()[self.real]
+
+    def take(self, x: Tensor) -> Tensor:
+        n, length = self.idx.shape
+        return take_rows(x, self.b, self.idx.flatten()).unflatten(1, (n, length)).transpose(0, 1)
+
+    def _real(self, val: Tensor) -> Tensor:
+        flat = val.transpose(0, 1).flatten(1, 2)  # [H, N * L, ...]
+        return flat.index_select(1, self.real)
+
+    def put(self, dst: Tensor, val: Tensor) -> None:
+        dst[self.b].index_copy_(1, self.rows, self._real(val).to(dst.dtype))
+
+    def add(self, dst: Tensor, val: Tensor) -> None:
+        dst[self.b].index_add_(1, self.rows, self._real(val).to(dst.dtype))
 
 
 class _Gathered:
@@ -185,6 +213,7 @@ class _Part:
     mask: Tensor | None = None  # additive, broadcastable to [N, H, Lq, Lk]
     nonempty: Tensor | None = None  # [N, 1, Lq]: rows with at least one allowed key (None: all)
     exclusive: bool = False  # the only part of these rows so far (written, not merged)
+    pad: Tensor | None = None  # [N, 1, Lq]: padded query slots (no gradient flows through them)
 
 
 def _additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -278,6 +307,11 @@ class HardPlan:
     def _group_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
         aligned = self.start == 0  # queries == keys: sorted order is causal order for both
         bq, bk = self.bits_q[b], self.bits_k[b]
+        if aligned and self.top_k == 1:
+            stacked = self._stacked_groups(b)
+            if stacked is not None:
+                yield stacked
+                return
         for c in range(self.n_groups):
             ik = torch.nonzero((bk >> c) & 1).squeeze(1)  # c's members, in position order
             if ik.numel() == 0:
@@ -314,6 +348,22 @@ class HardPlan:
                     exclusive=exclusive,
                 )
 
+    def _stacked_groups(self, b: int) -> _Part | None:
+        """top_k = 1 from position 0 with balanced groups: every group in one kernel call, each padded at its end
+        to the largest group's size (None when that padding would exceed STACK_SLACK of the tokens)."""
+        groups = self.bits_k[b].long().bitwise_and(-self.bits_k[b].long()).log2().long()  # the one set bit
+        counts = torch.bincount(groups, minlength=self.n_groups)
+        length = int(counts.max())
+        if self.n_groups * length > STACK_SLACK * self.tk:
+            return None
+        order = torch.sort(groups, stable=True).indices  # members of group 0, then 1, ... in position order
+        starts = torch.cumsum(counts, 0) - counts
+        slot = torch.arange(length, device=groups.device)
+        real = slot[None, :] < counts[:, None]  # [K, L]
+        idx = torch.where(real, order[(starts[:, None] + slot[None, :]).clamp(max=self.tk - 1)], 0)
+        sel = _Stacked(b, idx, real)
+        return _Part(sel, sel, causal=True, exclusive=True, pad=~real[:, None, :])
+
     def _band_parts(self, b: int, dtype: torch.dtype) -> Iterator[_Part]:
         """Pairs with i - j < w sharing no group: blocks of ``bs`` queries against the w + bs keys ending with them
         (strided views), ``bs`` a divisor of w; the first queries (keys before position 0) and a partial last block
@@ -328,7 +378,7 @@ class HardPlan:
             r = torch.arange(bs, device=bq.device)
             s = torch.arange(bs + w, device=bq.device)
             local = (s[None, :] > r[:, None]) & (s[None, :] <= r[:, None] + w)  # key p0+j bs-w+s, query p0+j bs+r
-            per_chunk = max(1, MASK_ELEMENTS // (bs * (bs + w)))
+            per_chunk = max(1, BAND_ELEMENTS // (bs * (bs + w)))
             for j in range(first, n_full, per_chunk):
                 n = min(per_chunk, n_full - j)
                 qbits = bq[j * bs : (j + n) * bs].view(n, bs)
@@ -414,13 +464,16 @@ def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Te
         if shared is not None and base is not shared:
             shared.flush()
         shared = base
+        lse_q = part.q.take(lse)
+        if part.pad is not None:  # padded query slots: zero probability, so nothing flows into the keys
+            lse_q = lse_q.masked_fill(part.pad, float("inf"))
         gq, gk, gv = _BWD(
             part.q.take(dout),
             part.q.take(q),
             part.k.take(k),
             part.k.take(v),
             part.q.take(out_q),
-            part.q.take(lse),
+            lse_q,
             0.0,
             part.causal,
             attn_mask=part.mask,
