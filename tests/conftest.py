@@ -27,3 +27,13 @@ def shared_data() -> Path:
 def cache_dir(tmp_path_factory) -> Path:
     """One tokenizer/token cache for the whole session, so a tokenizer is trained once."""
     return tmp_path_factory.mktemp("cache")
+
+
+def small_model_config(family: str = "llama", **overrides):
+    """A small model shape for unit tests (GPT-2: biases and a tied head, as the family has)."""
+    from model.config import ModelConfig
+
+    shape = dict(family=family, vocab_size=50, max_seq_len=16, d_model=32, n_layers=1, n_heads=4)
+    if family == "gpt2":
+        shape.update(bias=True, tie_embeddings=True)
+    return ModelConfig(**{**shape, **overrides})

@@ -11,7 +11,7 @@ from core.errors import ConfigError
 from model.config import PRESETS, ModelConfig, preset_dict
 from model.counts import count_parameters, flops_per_token
 from model.transformer import Transformer
-from tests.conftest import REPO
+from tests.conftest import REPO, small_model_config
 
 
 def run_info(*args: str) -> subprocess.CompletedProcess:
@@ -62,18 +62,7 @@ def test_meta_count_equals_materialised_count():
 
 
 def test_tied_and_untied_heads():
-    gpt2 = Transformer(
-        ModelConfig(
-            family="gpt2",
-            vocab_size=50,
-            max_seq_len=16,
-            d_model=32,
-            n_layers=1,
-            n_heads=4,
-            tie_embeddings=True,
-            bias=True,
-        )
-    )
+    gpt2 = Transformer(small_model_config("gpt2"))
     assert gpt2.lm_head.weight is gpt2.tok_emb.weight
     llama = Transformer(ModelConfig(vocab_size=50, max_seq_len=16, d_model=32, n_layers=1, n_heads=4))
     assert llama.lm_head.weight is not llama.tok_emb.weight
@@ -120,18 +109,7 @@ def test_gqa_and_qk_norm_forward_and_loss(qk_norm):
 
 
 def test_learned_positions_limit():
-    model = Transformer(
-        ModelConfig(
-            family="gpt2",
-            vocab_size=10,
-            max_seq_len=8,
-            d_model=16,
-            n_layers=1,
-            n_heads=2,
-            bias=True,
-            tie_embeddings=True,
-        )
-    )
+    model = Transformer(small_model_config("gpt2", vocab_size=10, max_seq_len=8, d_model=16, n_heads=2))
     with pytest.raises(ValueError, match="max_seq_len"):
         model(torch.zeros(1, 9, dtype=torch.long))
 

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from model.config import ModelConfig
 from model.transformer import Transformer
 from pretrain.optim import build_optimizer, build_scheduler, lr_multiplier, param_groups
 from run.config import TrainConfig
+from tests.conftest import small_model_config
 
 
 def test_cosine_with_warmup_and_floor_by_hand():
@@ -46,18 +46,7 @@ def test_scheduler_drives_optimizer_lr():
 
 
 def test_no_decay_on_norms_biases_and_embeddings():
-    model = Transformer(
-        ModelConfig(
-            family="gpt2",
-            vocab_size=20,
-            max_seq_len=8,
-            d_model=16,
-            n_layers=1,
-            n_heads=2,
-            bias=True,
-            tie_embeddings=True,
-        )
-    )
+    model = Transformer(small_model_config("gpt2", vocab_size=20, max_seq_len=8, d_model=16, n_heads=2))
     decay, no_decay = param_groups(model, 0.1)
     names = {id(p): n for n, p in model.named_parameters()}
     decayed = {names[id(p)] for p in decay["params"]}
