@@ -41,7 +41,7 @@ class DataConfig:
     # local: a file, a folder (recursive) or a glob of .txt / .jsonl / .parquet; prepared: the shard directory;
     # a named hub source: "" (stream from the hub) or a local folder mirroring the hub repo (docs/data.md)
     path: str = ""
-    seq_len: int = 256
+    seq_len: int = 256  # training sequence length (tokens per row)
     tokenizer: str = (
         "train"  # train (SentencePiece BPE on the training split, cached) | path to .model | tokenizer.json | HF folder
     )
@@ -52,7 +52,7 @@ class DataConfig:
     # ---- streaming (hub sources, mixtures, and local files with streaming = true) ----
     streaming: bool = False  # local: stream the files instead of reading them whole
     name: str = ""  # hub config, e.g. sample-10BT for fineweb-edu ("" = the source's default)
-    split: str = "train"
+    split: str = "train"  # hub split to stream
     shuffle_window: int = 1024  # documents shuffled together (restorable exactly); 0 = source order
     num_workers: int = 2  # loader worker processes per rank (tokenisation happens there)
     mixture: list[MixtureEntry] = field(default_factory=list)  # [[data.mixture]] tables, with data.source = "mixture"
