@@ -70,7 +70,7 @@ def test_mixture_of_two_local_sources_trains_counts_tokens_and_resumes_exactly(t
     counts = {k: v for k, v in last.items() if k.startswith("data/tokens/")}
     assert len(counts) == 2 and sum(counts.values()) == last["tokens"], counts
     share_a = counts[f"data/tokens/{two_sources[0]}"] / last["tokens"]
-    assert 0.5 < share_a < 0.95, f"source a has 3/4 of the documents drawn (documents differ in length): {share_a:.2f}"
+    assert 0.5 < share_a < 0.95, f"source a has 3/4 of the tokens drawn (documents differ in length): {share_a:.2f}"
 
     split = tmp_path / "split"
     first = train(_mixture(split, cache_dir, two_sources, **{"train.stop_at": 5}))
