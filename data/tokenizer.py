@@ -21,8 +21,8 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
+from core.errors import ConfigError
 from data.config import MIN_TRAINED_VOCAB
-from model.errors import ConfigError
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")

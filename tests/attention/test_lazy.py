@@ -5,10 +5,10 @@ import warnings
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
 from model.attention.lazy import LazyConfig, alibi_slopes
 from model.config import ModelConfig
-from model.errors import ConfigError
 from model.transformer import Transformer
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=16, layer_idx=0, n_layers=1)

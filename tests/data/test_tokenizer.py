@@ -6,9 +6,9 @@ import sys
 
 import pytest
 
+from core.errors import ConfigError
 from data.config import DataConfig
 from data.tokenizer import get_tokenizer, load_tokenizer, train_sentencepiece
-from model.errors import ConfigError
 from tests.conftest import REPO
 
 TEXTS = [

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("lm_eval")
 
+from core.errors import ConfigError
 from eval.harness import (
     SOURCES,
     TASKS,
@@ -21,7 +22,6 @@ from eval.harness import (
     render_tasks,
 )
 from model.config import ModelConfig
-from model.errors import ConfigError
 from model.transformer import build_model
 
 MAX_LEN = 16
@@ -262,7 +262,7 @@ def test_model_args_load_a_checkpoint_with_its_tokenizer(shared_data, tmp_path):
     from safetensors.torch import save_model
 
     from pretrain.checkpoint import MODEL_FILE, save_checkpoint
-    from pretrain.config import run_config_from_dict
+    from run.config import run_config_from_dict
 
     # A preset: a config saved with preset = "" does not load back (model.preset must name one).
     cfg = run_config_from_dict(
