@@ -822,7 +822,7 @@ def flex_hard_attention(
 ) -> Tensor:
     """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
     by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests."""
-    from torch.nn.attention.flex_attention import BlockMask
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
     bsz, h, tq, d = q.shape
     tk = k.shape[2]
@@ -851,7 +851,10 @@ def flex_hard_attention(
     group_mask = BlockMask.from_kv_blocks(
         kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1])
     )
-    o_s, lse_s = attend(q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    o_s, aux = attend(
+        q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
+    lse_s = aux.lse
     # back to tokens: each query has top_k slots; merge them by logsumexp
     cdt = torch.promote_types(q.dtype, torch.float32)
     lse_s = lse_s.to(cdt)
@@ -885,7 +888,8 @@ def flex_hard_attention(
     )
     band_mask = copy.copy(structure)
     band_mask.mask_mod = band  # the cached structure, this layer's memberships
-    o_b, lse_b = attend(q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_lse=True)
+    o_b, aux = attend(q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    lse_b = aux.lse
     lse_b = lse_b.to(cdt)
     lse = torch.logaddexp(lse_a, lse_b)
     out = o_a * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
