@@ -508,6 +508,11 @@ def main(argv: list[str] | None = None) -> None:
         cases = [dataclasses.replace(c, backward=False) for c in cases]
     torch.manual_seed(0)
     cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
     device = (
         torch.cuda.get_device_name() if args.device == "cuda" else f"{cpu}, {os.cpu_count()} cores"
     ) + f", torch {torch.__version__}, {torch.get_num_threads()} threads"
