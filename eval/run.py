@@ -62,30 +62,15 @@ def json_safe(value: Any) -> Any:
 
 
 def checked_checkpoint(path: Path, key: str) -> dict:
-    """Reads ``trainer.pt`` and checks ``model.safetensors`` (its header and that the file holds every
-    tensor the header lists) before anything is built: a damaged or missing file is one line naming it,
-    not a traceback from deep inside torch or safetensors. Returns the trainer state."""
-    from safetensors import safe_open
-
-    state_file, weights = path / checkpoint_lib.TRAINER_STATE, path / checkpoint_lib.MODEL_FILE
-    try:
-        state = checkpoint_lib.load_trainer_state(path)
-    except ConfigError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - truncated zip, empty file, not a torch file ...
-        raise ConfigError(f"{key}: {state_file} is damaged ({_first_line(exc)})") from None
-    if not isinstance(state, dict) or not isinstance(state.get("config"), str) or "step" not in state:
-        raise ConfigError(f"{key}: {state_file} is not a trainer state (no config / step)")
-    if not weights.is_file():
+    """The trainer state, once every file of checkpoint ``path`` has been checked (``verify_checkpoint``:
+    a damaged file is one line naming it, not a traceback from torch or safetensors) and the consolidated
+    weights evaluation reads are there."""
+    state = checkpoint_lib.verify_checkpoint(path, key=key)
+    if not (path / checkpoint_lib.MODEL_FILE).is_file():
         raise ConfigError(
-            f"{key}: {path} has no {checkpoint_lib.MODEL_FILE} (evaluation reads the consolidated weights; "
-            "python -m pretrain.export writes them for a sharded checkpoint)"
+            f"{key}: {path} has no {checkpoint_lib.MODEL_FILE}, the consolidated weights evaluation reads (every "
+            "engine writes them: the checkpoint is incomplete)"
         )
-    try:
-        with safe_open(str(weights), framework="pt") as f:
-            f.keys()
-    except Exception as exc:  # noqa: BLE001 - SafetensorError: truncated, empty, bad header
-        raise ConfigError(f"{key}: {weights} is damaged ({_first_line(exc)})") from None
     return state
 
 

@@ -28,6 +28,7 @@ import torch
 
 from core.errors import ConfigError
 from pretrain import checkpoint as ckpt
+from run.checkpoint import verify_checkpoint
 
 
 def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -173,6 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    try:  # a damaged file is one line naming it, before anything is read in earnest
+        verify_checkpoint(path, key="--run" if args.run else "--checkpoint")
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     if args.format == "hf":
         try:
             export_hf(

@@ -8,6 +8,7 @@ Layout: ``<run>/checkpoints/step_00000020/`` with what the engine wrote, ``train
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,58 @@ def tokenizer_file(directory: Path) -> Path:
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """``trainer.pt`` of checkpoint ``path``: tensors and plain values only (one-line ``ConfigError`` otherwise)."""
     return torch_load(Path(path) / TRAINER_STATE, map_location="cpu")
+
+
+def verify_checkpoint(path: Path, *, key: str = "--checkpoint", all_files: bool = False) -> dict[str, Any]:
+    """Checks checkpoint ``path`` without loading its weights, and returns its trainer state: ``trainer.pt``
+    loads (weights only), ``model.safetensors`` (when present) has a header whose tensors the file covers,
+    some weights are there (``model.safetensors``, ``dcp/`` or ``ds/``), and ``trainer.pt`` and
+    ``model.safetensors`` (with ``all_files``, every file; a resume reads them all) have the sizes
+    ``meta.json`` recorded when they were written. A damaged file is one ``ConfigError`` line naming it."""
+    path = Path(path)
+    meta_file = path / META
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: {meta_file} is damaged ({_why(exc)})") from None
+    state_file = path / TRAINER_STATE
+    try:
+        state = load_trainer_state(path)
+    except ConfigError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - truncated zip, empty file, not a torch file ...
+        raise ConfigError(f"{key}: {state_file} is damaged ({_why(exc)})") from None
+    if not isinstance(state, dict) or "step" not in state or not isinstance(state.get("config"), str):
+        raise ConfigError(f"{key}: {state_file} is not a trainer state (no step / config)")
+    weights = path / MODEL_FILE
+    if weights.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(weights), framework="pt") as f:
+                f.keys()
+        except Exception as exc:  # noqa: BLE001 - SafetensorError: empty, truncated, a bad header
+            raise ConfigError(f"{key}: {weights} is damaged ({_why(exc)})") from None
+    elif not ((path / "dcp").is_dir() or (path / "ds").is_dir()):
+        raise ConfigError(f"{key}: {path} holds no weights ({MODEL_FILE}, dcp/ or ds/)")
+    recorded = meta.get("files") if isinstance(meta, dict) else None  # sizes at write time (newer checkpoints)
+    for name, size in recorded.items() if isinstance(recorded, dict) else ():
+        if not all_files and name not in (TRAINER_STATE, MODEL_FILE):
+            continue  # evaluation and export read no optimizer or engine state
+        file = path / name
+        actual = file.stat().st_size if file.is_file() else None
+        if actual is None and not all_files:
+            continue  # removed on purpose (export reads dcp/ or ds/ then); weights at all were checked above
+        if actual != size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise ConfigError(f"{key}: {file} is {found}, but {META} recorded {size} bytes when it was written")
+    return state
+
+
+def _why(exc: BaseException) -> str:
+    """``Type: the message's first sentence``, on one short line."""
+    text = " ".join(str(exc).split(". ")[0].split())
+    return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
 
 
 def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:
