@@ -314,7 +314,7 @@ class FocusedLM(TemplateLM):
             path = resolve_checkpoint(str(checkpoint), key="checkpoint")
         else:
             path = resolve_checkpoint(str(run), key="run")
-        dev = resolve_device(str(device))
+        dev = resolve_device(str(device), key="device")
         model, _ = load_model(path, device=dev)
         return cls(
             model,

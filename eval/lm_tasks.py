@@ -90,7 +90,8 @@ def task_source(task: str, data_dir: Path) -> tuple[Source, Path]:
                 )
             return source, data_dir / source.path
     others = f" (or {', '.join(s.path for s in sources[1:])})" if len(sources) > 1 else ""
-    raise ConfigError(f"data_dir: task {task!r} needs the file {data_dir / sources[0].path}{others}")
+    # the file relative to the data directory: the directory itself may be a default or an env var
+    raise ConfigError(f"data_dir: task {task!r} needs <data_dir>/{sources[0].path}{others}")
 
 
 def local_dataset(task: str, data_dir: str | Path | None = None):

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from core import configlib
+from core.device import check_device_name
 from core.errors import ConfigError, check_choice, check_min, check_range
 from data.config import DataConfig
 from model.activation_checkpointing import MODES as AC_MODES
@@ -150,6 +151,11 @@ class TrainConfig:
         check_choice("train.schedule", self.schedule, SCHEDULES)
         check_range("train.decay_fraction", self.decay_fraction, 0.0, 1.0)
         check_choice("train.precision", self.precision, PRECISIONS)
+        check_device_name(self.device, key="train.device")
+        check_range("train.beta1", self.beta1, 0.0, 1.0, open_high=True)
+        check_range("train.beta2", self.beta2, 0.0, 1.0, open_high=True)
+        check_min("train.eps", self.eps, 0.0, strict=True)
+        check_min("train.weight_decay", self.weight_decay, 0.0)
         check_min("train.grad_clip", self.grad_clip, 0)
 
 

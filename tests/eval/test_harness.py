@@ -227,7 +227,7 @@ def test_missing_data_file_stops_evaluate_before_lm_eval_runs(tmp_path, monkeypa
     (tmp_path / "lambada_openai").mkdir()
     (tmp_path / "lambada_openai" / "lambada_test.jsonl").write_text('{"text": "a b"}\n')
     with pytest.raises(
-        ConfigError, match=r"^data_dir: task 'wikitext' needs the file .*wikitext2_raw_test/wiki.test.raw$"
+        ConfigError, match=r"^data_dir: task 'wikitext' needs <data_dir>/wikitext2_raw_test/wiki.test.raw$"
     ):
         evaluate(lm, ["lambada_openai", "wikitext"], limit=1, data_dir=tmp_path)
 
