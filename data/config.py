@@ -68,32 +68,18 @@ class DataConfig:
 
     def stream_config(self, seed: int) -> StreamConfig:
         """The data.streaming view of these settings."""
+        names = ("mixture_weighting", "split", "text_field", "shuffle_window", "num_workers")
+        shared = {name: getattr(self, name) for name in names}
         if self.source == "mixture":
             if not self.mixture:
                 raise ConfigError(
                     "data.mixture: data.source = 'mixture' needs [[data.mixture]] tables (source, path or name, weight)"
                 )
             return StreamConfig(
-                mixture={m.key(): m.weight for m in self.mixture},
-                mirrors=self._mirrors(),
-                mixture_weighting=self.mixture_weighting,
-                split=self.split,
-                text_field=self.text_field,
-                shuffle_window=self.shuffle_window,
-                num_workers=self.num_workers,
-                seed=seed,
+                mixture={m.key(): m.weight for m in self.mixture}, mirrors=self._mirrors(), seed=seed, **shared
             )
-        return StreamConfig(
-            source=self.source,
-            path=self.path,  # local: the files; a named source: its mirror ("" = the hub)
-            config_name=self.name,
-            mixture_weighting=self.mixture_weighting,
-            split=self.split,
-            text_field=self.text_field,
-            shuffle_window=self.shuffle_window,
-            num_workers=self.num_workers,
-            seed=seed,
-        )
+        # path: local, the files; a named source, its mirror ("" = the hub)
+        return StreamConfig(source=self.source, path=self.path, config_name=self.name, seed=seed, **shared)
 
     def _mirrors(self) -> dict[str, str]:
         """{named source: local mirror} from the mixture entries that name one."""

@@ -92,15 +92,8 @@ class PrepareConfig:
 
     def data_config(self) -> DataConfig:
         """The trainer's view of the same settings (sources, tokenizer training and its cache)."""
-        return DataConfig(
-            source=self.source,
-            path=self.path,
-            tokenizer=self.tokenizer,
-            vocab_size=self.trained_vocab,
-            text_field=self.text_field,
-            val_fraction=self.val_fraction,
-            cache_dir=self.cache_dir,
-        )
+        same = ("source", "path", "tokenizer", "text_field", "val_fraction", "cache_dir")
+        return DataConfig(vocab_size=self.trained_vocab, **{name: getattr(self, name) for name in same})
 
     @property
     def trained_vocab(self) -> int:
