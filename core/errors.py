@@ -5,6 +5,13 @@ A ConfigError's message is a single line that names the offending field
 print it without a traceback and exit with status 2.
 """
 
+from __future__ import annotations
+
+import functools
+import sys
+from collections.abc import Callable
+from typing import Any
+
 
 class ConfigError(ValueError):
     """Invalid configuration or input, detected before any work starts."""
@@ -30,3 +37,17 @@ def check_range(
     if value < low or value > high or (open_low and value == low) or (open_high and value == high):
         interval = f"{'(' if open_low else '['}{low}, {high}{')' if open_high else ']'}"
         raise ConfigError(f"{key}: must be in {interval}, got {value}")
+
+
+def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
+    """A CLI's ``main``: a ``ConfigError`` becomes ``error: <line>`` on stderr and exit code 2."""
+
+    @functools.wraps(main)
+    def run(*args: Any, **kwargs: Any) -> int:
+        try:
+            return main(*args, **kwargs) or 0
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+
+    return run

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors
 from data.config import MIN_TRAINED_VOCAB
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
@@ -414,6 +414,7 @@ def _read_inputs(paths: list[str]) -> Iterable[str]:
             yield doc.text
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m data.tokenizer", description="Train or apply a tokenizer.")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -426,23 +427,18 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--tokenizer", required=True, help=TOKENIZER_FILES)
     e.add_argument("--text", required=True)
     args = p.parse_args(argv)
-    try:
-        if args.cmd == "train":
-            if not args.out.endswith(".model"):
-                raise ConfigError(f"--out: {args.out!r} must end in .model")
-            out = train_sentencepiece(
-                _read_inputs(args.input),
-                vocab_size=args.vocab_size,
-                out_path=Path(args.out),
-                model_type=args.model_type,
-            )
-            print(f"saved {out} ({SentencePieceTokenizer(out).vocab_size} pieces)")
-        else:
-            print(" ".join(map(str, load_tokenizer(args.tokenizer).encode(args.text))))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    if args.cmd == "train":
+        if not args.out.endswith(".model"):
+            raise ConfigError(f"--out: {args.out!r} must end in .model")
+        out = train_sentencepiece(
+            _read_inputs(args.input),
+            vocab_size=args.vocab_size,
+            out_path=Path(args.out),
+            model_type=args.model_type,
+        )
+        print(f"saved {out} ({SentencePieceTokenizer(out).vocab_size} pieces)")
+    else:
+        print(" ".join(map(str, load_tokenizer(args.tokenizer).encode(args.text))))
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from core import configlib
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors
 
 IMPORT_DIR = "hf_import"
 
@@ -168,6 +168,7 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(
         prog="python -m pretrain.hf_import",
@@ -181,19 +182,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer", help="tokenizer file or folder, if not in the --hf directory")
     p.add_argument("--no-start", action="store_true", help="write the import and config.toml only (no step 0)")
     args = p.parse_args(argv)
-    try:
-        import_hf(
-            args.hf,
-            args.out,
-            base_config=args.config,
-            overrides=args.overrides,
-            tokenizer=args.tokenizer,
-            start=not args.no_start,
-        )
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    import_hf(
+        args.hf,
+        args.out,
+        base_config=args.config,
+        overrides=args.overrides,
+        tokenizer=args.tokenizer,
+        start=not args.no_start,
+    )
 
 
 if __name__ == "__main__":
