@@ -42,27 +42,14 @@ def test_lazy_on_llama_derives_the_large_rope_base_and_gpt2_does_not():
     assert load_run_config(str(CONFIG_DIR / "llama-124m_focus.toml"), []).model.rope.theta != 500000.0
 
 
+def submit(*args: str) -> subprocess.CompletedProcess:
+    config = str(REPO / "launch/configs/llama-1.3b_focus.toml")  # a derived config: no file of its own
+    cmd = [sys.executable, "-m", "launch.submit", "--config", config, *args, "--dry-run"]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
 def test_submit_renders_a_preset_for_two_nodes():
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.submit",
-            "--config",
-            str(REPO / "launch/configs/llama-1.3b_focus.toml"),
-            "--nodes",
-            "2",
-            "--gpus-per-node",
-            "8",
-            "--time",
-            "24:00:00",
-            "--dry-run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = submit("--nodes", "2", "--gpus-per-node", "8", "--time", "24:00:00")
     assert proc.returncode == 0, proc.stderr
     script = proc.stdout
     for line in (
@@ -75,22 +62,5 @@ def test_submit_renders_a_preset_for_two_nodes():
     ):
         assert line in script, line
     assert "scontrol show hostnames" in script and "--rdzv_backend=c10d" in script
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "launch.submit",
-            "--config",
-            str(REPO / "launch/configs/llama-1.3b_focus.toml"),
-            "--nodes",
-            "1",
-            "--gpus-per-node",
-            "6",
-            "--dry-run",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    bad = submit("--nodes", "1", "--gpus-per-node", "6")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "train.batch_size" in bad.stderr
