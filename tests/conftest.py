@@ -37,3 +37,12 @@ def small_model_config(family: str = "llama", **overrides):
     if family == "gpt2":
         shape.update(bias=True, tie_embeddings=True)
     return ModelConfig(**{**shape, **overrides})
+
+
+def run_cli(module: str, *args, timeout: int = 300, **kwargs):
+    """``python -m <module> args`` from the repository root, output captured as text."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", module, *map(str, args)]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, **kwargs)

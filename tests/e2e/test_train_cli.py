@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, run_cli
 
 TINY = REPO / "launch" / "configs" / "tiny.toml"
 
@@ -220,26 +220,18 @@ def test_bad_input_stops_before_training_with_one_line(tmp_path, cache_dir, extr
 
 def test_eval_run_on_the_trained_checkpoint(reference_run, tmp_path):
     out = tmp_path / "results.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eval.run",
-            "--run",
-            str(reference_run),
-            "--tasks",
-            "ppl,sample,attention_stats",
-            "--limit",
-            "4",
-            "--max-new-tokens",
-            "12",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = run_cli(
+        "eval.run",
+        "--run",
+        str(reference_run),
+        "--tasks",
+        "ppl,sample,attention_stats",
+        "--limit",
+        "4",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
@@ -331,26 +323,18 @@ def test_context_extension_continues_a_checkpoint_and_reports_perplexity_by_leng
         "starts from the trained weights, not from scratch"
     )
     out = tmp_path / "len.json"
-    ev = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eval.run",
-            "--run",
-            str(run_dir),
-            "--tasks",
-            "ppl_length",
-            "--lengths",
-            "0.5,1,2",
-            "--max-tokens",
-            "1024",
-            "--out",
-            str(out),
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    ev = run_cli(
+        "eval.run",
+        "--run",
+        str(run_dir),
+        "--tasks",
+        "ppl_length",
+        "--lengths",
+        "0.5,1,2",
+        "--max-tokens",
+        "1024",
+        "--out",
+        str(out),
     )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(out.read_text())["ppl_length"]
@@ -404,28 +388,20 @@ def test_focus_centroid_only_retrofit_then_two_phase(reference_run, tmp_path, ca
     )
 
     out = tmp_path / "hard.json"
-    ev = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eval.run",
-            "--run",
-            str(run_dir),
-            "--tasks",
-            "ppl,attention_stats,sample",
-            "--max-new-tokens",
-            "8",
-            "--out",
-            str(out),
-            "--set",
-            "model.attention.focus.mode=hard",
-            "--set",
-            "model.attention.focus.top_k=2",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    ev = run_cli(
+        "eval.run",
+        "--run",
+        str(run_dir),
+        "--tasks",
+        "ppl,attention_stats,sample",
+        "--max-new-tokens",
+        "8",
+        "--out",
+        str(out),
+        "--set",
+        "model.attention.focus.mode=hard",
+        "--set",
+        "model.attention.focus.top_k=2",
     )
     assert ev.returncode == 0, ev.stderr[-3000:]
     result = json.loads(out.read_text())

@@ -5,13 +5,11 @@ file, offline, producing JSON and PNGs. Reads the task data from ../shared/data.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import run_cli
 from tests.e2e.test_train_cli import overrides, train
 
 pytestmark = pytest.mark.slow  # each test runs the CLIs on a trained checkpoint
@@ -67,14 +65,12 @@ def test_eval_run_covers_the_suite_and_writes_json_and_plots(run_with_tasks, sha
     ]
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "results.json"
-    cmd = [
-        sys.executable,
-        "-m",
+    proc = run_cli(
         "eval.run",
         "--run",
-        str(run_with_tasks),
+        run_with_tasks,
         "--out",
-        str(out),
+        out,
         "--no-progress",
         "--tasks",
         f"hellaswag,lambada_openai,wikitext,needle,kv_retrieval,longbench:{bench}",
@@ -86,8 +82,8 @@ def test_eval_run_covers_the_suite_and_writes_json_and_plots(run_with_tasks, sha
         "640,1024",
         "--depths",
         "0,0.5,1",
-    ]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert 0.0 <= results["hellaswag"]["acc_norm"] <= 1.0 and results["wikitext"]["word_perplexity"] > 1.0
@@ -103,13 +99,7 @@ def test_eval_run_covers_the_suite_and_writes_json_and_plots(run_with_tasks, sha
 
 
 def test_unknown_task_is_one_line(run_with_tasks):
-    proc = subprocess.run(
-        [sys.executable, "-m", "eval.run", "--run", str(run_with_tasks), "--tasks", "hellaswagg"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = run_cli("eval.run", "--run", run_with_tasks, "--tasks", "hellaswagg", timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--tasks: hellaswagg" in proc.stderr
 
 
@@ -121,14 +111,12 @@ def test_eval_run_scores_a_text_file_with_strided_windows_and_measures_attention
     results = {}
     for stride in (64, 32):
         out = tmp_path / f"ppl{stride}.json"
-        cmd = [
-            sys.executable,
-            "-m",
+        proc = run_cli(
             "eval.run",
             "--run",
-            str(run_with_tasks),
+            run_with_tasks,
             "--out",
-            str(out),
+            out,
             "--tasks",
             "ppl,attention_stats",
             "--ppl-data",
@@ -139,8 +127,7 @@ def test_eval_run_scores_a_text_file_with_strided_windows_and_measures_attention
             str(stride),
             "--stats-text",
             str(text),
-        ]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[stride] = json.loads(out.read_text())
     a, b = results[64]["ppl"], results[32]["ppl"]
