@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from run.config import TrainConfig
 
 DS_TAG = "ds"
-DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "launch" / "deepspeed" / "zero.json"
+DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "launch" / "deepspeed" / "zero.json"
 
 
 def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str, Any]:
@@ -73,6 +73,19 @@ class DeepSpeedEngine(DataParallelEngine):
 
     def autocast_dtype(self) -> torch.dtype | None:
         return None  # DeepSpeed casts the model itself when bf16 is on
+
+    def wrap(self, model) -> torch.nn.Module:
+        """ZeRO-3 gathers a module's partitioned parameters for its backward through hooks on the tensors its forward
+        returns. An attention core returns an ``AttnOut``, which DeepSpeed does not look into, so the core's own
+        parameters (Focus's centroids and lambda, focal's and Lazy's temperatures and biases) would still be
+        partitioned (empty) when their gradients are computed: the block, which returns a tensor, gathers them."""
+        if self.cfg.options("deepspeed").zero_stage == 3:
+            from deepspeed.runtime.zero.partition_parameters import register_external_parameter
+
+            for block in model.blocks:
+                for param in block.attn.core.parameters(recurse=False):
+                    register_external_parameter(block, param)
+        return model
 
     def make_optimizer(self, model) -> tuple[Any, Any]:
         """DeepSpeed wraps model and optimizer together: the wrapped module is set here."""
