@@ -126,6 +126,12 @@ class Transformer(nn.Module):
         # data.document_masking: the EOS id that ends documents; whole-sequence forwards then mask
         # attention per document and restart positions (model/documents.py). None = off.
         self.document_eos_id: int | None = None
+        scalars = [name for name, p in self.named_parameters() if p.dim() == 0]
+        if scalars:  # fully_shard refuses them at wrap time, on a cluster: say so when the model is built
+            raise ValueError(
+                f"attention variant {cfg.attention.kind!r}: 0-dim parameters {', '.join(scalars)}; FSDP2 cannot "
+                "shard a scalar parameter, make it shape [1]"
+            )
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -15,9 +15,12 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from core.errors import ConfigError
+from model.attention.base import Attention
 
 if TYPE_CHECKING:
     from run.config import TrainConfig
+
+VARIANT_PARAMETERS = "*.core.*"  # an attention variant's own parameters (Focus: W_g, C, lambda); the rest: backbone
 
 
 def check_patterns(model: nn.Module, cfg: TrainConfig) -> None:
@@ -40,13 +43,18 @@ def is_trainable(name: str, cfg: TrainConfig, step: int) -> bool:
 
 
 def apply_trainable(model: nn.Module, cfg: TrainConfig, step: int) -> tuple[int, int] | None:
-    """Set ``requires_grad`` for optimizer step ``step``. Returns (trainable, total) parameter
-    counts when something changed, else None."""
-    changed, trainable, total = False, 0, 0
+    """Set ``requires_grad`` for optimizer step ``step`` and tell the attention variants whether the backbone
+    (everything but their own ``*.core.*`` parameters) trains. Returns (trainable, total) parameter counts when
+    something changed, else None."""
+    changed, backbone, trainable, total = False, False, 0, 0
     for name, p in model.named_parameters():
         flag = is_trainable(name, cfg, step)
         changed |= p.requires_grad != flag
         p.requires_grad_(flag)
+        backbone |= flag and not fnmatchcase(name, VARIANT_PARAMETERS)
         total += p.numel()
         trainable += p.numel() if flag else 0
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.set_backbone_trains(backbone)
     return (trainable, total) if changed else None

@@ -137,6 +137,11 @@ class Attention(nn.Module):
         """Called before every training step (schedules such as Focus's lambda); values it sets must
         live in persistent buffers so they are checkpointed with the weights."""
 
+    def set_backbone_trains(self, trains: bool) -> None:
+        """Called by the trainer whenever it applies the trainable set (every step, and on resume): whether any
+        parameter outside the variants' own (``*.core.*``) trains. False is a centroid-only phase (Focus applies
+        its entropy penalty only then). Derived from the trainable set, so nothing needs checkpointing."""
+
     def forward(
         self,
         q: Tensor,

@@ -51,6 +51,7 @@ ASSIGNMENTS = ("sinkhorn", "softmax")
 GATES = ("additive", "multiplicative")
 MODES = ("soft", "hard")
 LAMBDA_SCHEDULES = ("constant", "linear", "cosine")
+ENTROPY_WHEN = ("centroid_phase", "always")
 MAX_GROUPS = 62  # memberships are int64 bitmasks
 STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
 
@@ -74,7 +75,10 @@ class FocusConfig(VariantConfig):
     lambda_warmup: float = 0.5
     mode: str = "soft"  # soft (training) | hard (exact sparse inference)
     top_k: int = 1  # hard mode: groups per token
-    entropy_weight: float = 0.1  # auxiliary loss on assignment entropy while the centroids train
+    entropy_weight: float = 0.1  # auxiliary loss on assignment entropy (mean over layers), see entropy
+    # when the entropy penalty applies: centroid_phase = while only the variants' own parameters train (the paper's
+    # phase 1, centroid-only retrofits) | always = whenever the centroids train (also from scratch and in phase 2)
+    entropy: str = "centroid_phase"
 
     def validate(self, prefix: str) -> None:
         p = prefix
@@ -91,6 +95,7 @@ class FocusConfig(VariantConfig):
         check_choice(p + "mode", self.mode, MODES)
         check_range(p + "top_k", self.top_k, 1, self.n_groups)
         check_min(p + "entropy_weight", self.entropy_weight, 0.0)
+        check_choice(p + "entropy", self.entropy, ENTROPY_WHEN)
         if self.lambda_schedule != "constant" and self.lambda_learnable:
             raise ConfigError(
                 f"{p}lambda_learnable: a scheduled lambda (lambda_schedule={self.lambda_schedule!r}) "
@@ -120,12 +125,14 @@ class FocusAttention(Attention):
         self.d_group = cfg.d_group or spec.d_model
         self.w_g = nn.Linear(spec.d_model, self.d_group, bias=False)
         self.centroids = nn.Parameter(torch.empty(cfg.n_groups, self.d_group))
-        lam = torch.tensor(float(cfg.lambda_init))
+        # shape [1], not 0-dim: FSDP2 cannot shard a scalar parameter (old 0-dim checkpoints load, see below)
+        lam = torch.full((1,), float(cfg.lambda_init))
         if cfg.lambda_learnable:
             self.lam = nn.Parameter(lam)
         else:
             self.register_buffer("lam", lam)  # scheduled: saved with the weights, set by the trainer
         self.reference_batch = False  # set for the trainer's fixed-batch pass (stability only)
+        self.backbone_trains = False  # set_backbone_trains (the trainer); on its own a module is in the centroid phase
         self._previous_groups: Tensor | None = None
         self.reset_parameters()
 
@@ -149,6 +156,15 @@ class FocusAttention(Attention):
         nn.init.normal_(self.centroids, std=0.3 / math.sqrt(self.d_group))
         with torch.no_grad():
             self.lam.fill_(float(self.cfg.lambda_init))
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+        lam = state_dict.get(prefix + "lam")
+        if lam is not None and lam.dim() == 0:  # saved while lambda was a 0-dim tensor
+            state_dict[prefix + "lam"] = lam.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def set_backbone_trains(self, trains: bool) -> None:
+        self.backbone_trains = trains
 
     def set_train_progress(self, step: int, max_steps: int) -> None:
         if self.cfg.lambda_schedule != "constant":
@@ -299,8 +315,9 @@ class FocusAttention(Attention):
         self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
         aux = None
-        if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad:
-            aux = self.cfg.entropy_weight * self._entropy(g_q)
+        penalise = self.cfg.entropy == "always" or not self.backbone_trains  # the paper: centroid phase only
+        if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad and penalise:
+            aux = self.cfg.entropy_weight * self._entropy(g_q) / self.spec.n_layers  # summed by the model: the mean
         if self.reference_batch:
             return AttnOut(output, stats=self._stability(g_q))
         if not self.collect_stats:
@@ -316,7 +333,7 @@ class FocusAttention(Attention):
                 "confidence": g.max(-1).values.mean(),
                 "entropy": entropy.detach(),
                 "imbalance": group_imbalance(g),
-                "lambda": self.lam.detach().float(),
+                "lambda": self.lam.detach().float().sum(),  # a new tensor: FSDP2 frees the gathered parameter
             }
             stats.update(self._pair_stats(g, g_k.detach(), q_pos, k_pos, cache))
         return AttnOut(output, aux_loss=aux, stats=stats)
