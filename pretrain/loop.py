@@ -188,10 +188,13 @@ class Trainer:
             lock.close()
             self._lock = None
 
-    def _apply_trainable(self) -> None:
-        counts = apply_trainable(self.model, self.cfg.train, self.step)
+    def _apply_trainable(self, step: int | None = None) -> None:
+        step = self.step if step is None else step
+        counts = apply_trainable(self.model, self.cfg.train, step)
         if counts is not None:
-            self._say(f"step {self.step}: training {counts[0]:,} of {counts[1]:,} parameters")
+            self._say(f"step {step}: training {counts[0]:,} of {counts[1]:,} parameters")
+            if getattr(self, "engine", None) is not None:  # set-up applies the first set before wrapping
+                self.engine.trainable_changed()
 
     def _source_tokens(self) -> dict[str, float]:
         """data/tokens/<source>: target tokens drawn per source, all ranks; data/share/<source>: their share."""
@@ -255,6 +258,8 @@ class Trainer:
             )
         if state.data_fingerprint != self.corpus.fingerprint:
             raise ConfigError(f"data: the corpus or its settings changed since checkpoint {path}; use a new run.dir")
+        # the trainable set of the checkpoint's last step, so the engine's optimizer state matches the saved one
+        self._apply_trainable(max(state.step - 1, 0))
         self.engine.read_state(path)
         self.loader.load_state_dict(state.loader)
         set_rng_state(state.rng_for(self.engine.rank, self.engine.world_size))

@@ -66,10 +66,16 @@ def register_engine_spec(spec: EngineSpec) -> EngineSpec:
 
 for _spec in (
     EngineSpec("single", "one process, one device", changes_trainable=True),
-    EngineSpec("ddp", "DistributedDataParallel: replicated weights, all-reduced gradients", distributed=True),
+    EngineSpec(
+        "ddp",
+        "DistributedDataParallel: replicated weights, all-reduced gradients",
+        changes_trainable=True,  # re-wraps: the reducer covers the parameters that required grad at wrap time
+        distributed=True,
+    ),
     EngineSpec(
         "fsdp2",
         "fully_shard (FSDP2; HSDP with train.fsdp2.replicate > 1), DCP checkpoints",
+        changes_trainable=True,  # fully_shard follows requires_grad at every all-gather; gradient dtypes re-derived
         distributed=True,
         options_cls=FSDP2Options,
     ),
@@ -79,6 +85,9 @@ for _spec in (
         distributed=True,
         options_cls=DeepSpeedOptions,
         skips_updates=False,  # DeepSpeed steps inside backward's accumulation boundary
+        # no train.unfreeze_at: ZeRO flattens the parameters that require grad into its partitions (one AdamW state,
+        # one step count per flat group) at initialize; a parameter unfrozen later would never be reduced or stepped
+        changes_trainable=False,
     ),
 ):
     register_engine_spec(_spec)

@@ -77,6 +77,11 @@ class Engine:
         optimizer = build_optimizer(model, self.cfg, self.device)
         return optimizer, build_scheduler(optimizer, self.cfg)
 
+    def trainable_changed(self) -> None:
+        """The trainable set changed after wrapping (``train.unfreeze_at``, or a resume across it): rebuild what the
+        wrapping derived from ``requires_grad``. Only engines whose spec declares ``changes_trainable`` are asked;
+        nothing to do in one process (frozen parameters stay in the optimizer with no gradient)."""
+
     @property
     def is_main(self) -> bool:
         return self.rank == 0

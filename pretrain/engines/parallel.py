@@ -11,6 +11,7 @@ evaluation and ``train.init_from`` read, as for the single engine.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from datetime import timedelta
 from pathlib import Path
@@ -131,6 +132,16 @@ class DDPEngine(DataParallelEngine):
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if sync else self.wrapped.no_sync()
 
+    def trainable_changed(self) -> None:
+        """DDP's reducer (gradient buckets and the autograd hooks that all-reduce them) covers the parameters that
+        required grad at wrap time: a new wrapper over the new set. The old reducer removes its hooks when it is
+        freed, so each gradient is reduced once. The weights are identical on every rank, and the optimizer holds
+        the parameters themselves, so it carries over with its state."""
+        old = self.wrapped
+        self.wrapped = self.model = self.wrap(self.raw_model)
+        del old
+        gc.collect()
+
 
 class FSDP2Engine(DataParallelEngine):
     """Parameters, gradients and optimizer state sharded over ranks: ``fully_shard`` per block,
@@ -165,3 +176,17 @@ class FSDP2Engine(DataParallelEngine):
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         self.wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
+
+    def trainable_changed(self) -> None:
+        """fully_shard copies each sharded parameter's ``requires_grad`` to its unsharded form at every all-gather,
+        and reduce-scatters only the gradients there are, so a new trainable set needs no re-wrap. What it derived
+        once, at the first forward, is each group's gradient dtypes (original and reduce dtype, None for a group
+        with nothing to train, e.g. the embeddings during centroid-only training): derived again here, so a group
+        unfrozen under a bf16 policy reduces in fp32 and hands fp32 gradients to its fp32 shards."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in self.raw_model.modules():
+            if isinstance(module, FSDPModule):
+                group = module._get_fsdp_state()._fsdp_param_group
+                if group is not None:
+                    group._init_mp_dtypes()

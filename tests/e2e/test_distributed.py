@@ -10,7 +10,6 @@ only the reduction order of gradients and losses differs between engines (measur
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,14 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-try:
-    import deepspeed  # noqa: F401
-
-    HAVE_DEEPSPEED = True
-except ImportError:
-    HAVE_DEEPSPEED = False
-
 from tests.conftest import REPO
+from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, torchrun, why
 from tests.e2e.test_train_cli import losses, overrides, train
 
 TOL = 1e-5
@@ -58,46 +51,6 @@ def config(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
             **extra,
         },
     )
-
-
-def torchrun(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    from tests.e2e.test_train_cli import TINY
-
-    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), str(nproc), "--config", str(TINY), *args]
-    # the script runs `python`: make it this interpreter
-    # faulthandler: a rank that dies on a signal prints every thread's Python stack
-    env = {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONFAULTHANDLER": "1",
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    }
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
-
-
-def why(proc: subprocess.CompletedProcess) -> str:
-    """Each rank's traceback ([rankN] lines), any fatal-signal stacks (faulthandler) and native
-    aborts, then the tail: the first failing rank, not only rank 0, must be visible in CI."""
-    lines = proc.stderr.splitlines()
-    ranked = [line for line in lines if line.startswith("[rank")][-60:]
-    fatal = [
-        i
-        for i, line in enumerate(lines)
-        if line.startswith(("Fatal Python error", "terminate called")) or "what():" in line
-    ]
-    native = [line for i in fatal for line in lines[i : i + 25]]
-    return "\n".join(ranked + native) + "\n...\n" + proc.stderr[-1500:]
-
-
-def all_losses(run_dir: Path) -> dict[tuple[int, str], float]:
-    """(step, 'loss' | 'val_loss') -> value, for every training and validation line."""
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        for key in ("loss", "val_loss"):
-            if key in row:
-                out[(row["step"], key)] = row[key]
-    return out
 
 
 def assert_close(run: dict, ref: dict, steps=None) -> None:
@@ -198,10 +151,12 @@ def test_data_parallel_engine_errors(tmp_path, cache_dir):
     frozen = torchrun(
         2,
         config(
-            tmp_path / "b", cache_dir, **{"train.engine": "ddp", "train.unfreeze_at": 2, "train.freeze": "blocks.0.*"}
+            tmp_path / "b",
+            cache_dir,
+            **{"train.engine": "deepspeed", "train.unfreeze_at": 2, "train.freeze": "blocks.0.*"},
         ),
     )
-    assert frozen.returncode != 0 and "train.unfreeze_at: not supported with train.engine=ddp" in frozen.stderr
+    assert frozen.returncode != 0 and "train.unfreeze_at: not supported with train.engine=deepspeed" in frozen.stderr
 
 
 @pytest.mark.parametrize("label", ["fsdp2", "zero3"])

@@ -1,0 +1,62 @@
+"""``python -m tests.e2e.run_sequence SPEC.json`` (alone, or under torchrun on every rank): several training runs on
+``launch/configs/tiny.toml`` one after another in this process, so a test matrix pays for the interpreter, its
+imports and the process group once per launch rather than once per run.
+
+SPEC: ``{"runs": {name: ["--set", "key=value", ...]}, "status": path}``. Each run is what ``pretrain.train`` does
+(the standard callbacks, checkpoints, ``train.stop_at``, resume from the run directory's latest checkpoint),
+except that the process group stays up between runs. Rank 0 writes ``{name: "ok" | the error's last line}`` to
+the status file after every run, so one failing run is named and the ones after it still run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from tests.e2e.test_train_cli import TINY
+
+
+def _train(args: list[str]) -> None:
+    import torch
+
+    from pretrain.loop import Trainer
+    from run.config import load_run_config
+
+    overrides = [value for flag, value in zip(args[::2], args[1::2]) if flag == "--set"]
+    cfg = load_run_config(TINY, overrides)
+    torch._dynamo.reset()  # each run compiles its own blocks afresh (no recompile limit across runs)
+    trainer = Trainer(cfg)
+    trainer.setup()
+    result = trainer.run()
+    if result.error or result.exit_code:
+        raise RuntimeError(result.error or f"exit code {result.exit_code}")
+
+
+def main(spec_path: str) -> int:
+    import torch.distributed as dist
+
+    spec = json.loads(Path(spec_path).read_text())
+    status: dict[str, str] = {}
+    for name, args in spec["runs"].items():
+        try:
+            _train(args)
+            status[name] = "ok"
+        except Exception as exc:  # noqa: BLE001  (named in the status; the next run still runs)
+            last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+            status[name] = f"{type(exc).__name__}: {last}"
+            traceback.print_exc()
+        gc.collect()
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            Path(spec["status"]).write_text(json.dumps(status, indent=1))
+        if dist.is_initialized():
+            dist.barrier()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
