@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import json
 import os
 import pickle
 import shutil
@@ -243,6 +244,7 @@ TRAIN = {
     "eval.every": 2 * STOP,
     "eval.sample_tokens": 2,
 }
+RESUME = {"train.stop_at": 0}  # continue past the checkpoint, so the resume reads it
 DEEPSPEED = {
     "train.engine": "deepspeed",
     "train.deepspeed.zero_stage": 1,
@@ -289,6 +291,17 @@ def deepspeed_run(tmp_path_factory, cache_dir) -> Path:
     return _trained(tmp_path_factory, cache_dir, "deepspeed", 2, DEEPSPEED)
 
 
+def rerecord_sizes(checkpoint: Path) -> None:
+    """Make ``meta.json``'s recorded file sizes match the planted files, as whoever planted them could:
+    the readers, not the size check, must be what stops them."""
+    meta_file = checkpoint / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    for name in meta.get("files", {}):
+        if (checkpoint / name).is_file():
+            meta["files"][name] = (checkpoint / name).stat().st_size
+    meta_file.write_text(json.dumps(meta))
+
+
 def _copy(run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the run and its checkpoint directory."""
     copy = tmp_path / "run"
@@ -314,17 +327,43 @@ def assert_cli_refused(proc: subprocess.CompletedProcess, path: object, marker: 
     assert "UnpicklingError" not in proc.stderr, proc.stderr[-3000:]
 
 
+def assert_resume_refused(proc: subprocess.CompletedProcess, path: object, marker: Path, code: int = 2) -> None:
+    """A resume either stops at the refused file (one ``error:`` line per rank, ``code``) or, where the
+    trainer falls back past a checkpoint it cannot read, skips it with one ``warning:`` line naming the
+    refusal; either way nothing ran."""
+    assert not marker.exists(), "the planted code ran"
+    lines = (proc.stdout + proc.stderr).splitlines()
+    if proc.returncode == 0:
+        skipped = [line for line in lines if line.startswith("warning: skipping") and "refused to unpickle" in line]
+        assert skipped and all(str(path) in line for line in skipped), proc.stdout[-3000:]
+    else:
+        assert_cli_refused(proc, path, marker, code)
+
+
+def _shards_only(checkpoint: Path, tmp_path: Path) -> Path:
+    """A copy of the planted checkpoint without model.safetensors: export then reads dcp/ or ds/."""
+    copy = tmp_path / "shards_only"
+    shutil.copytree(checkpoint, copy)
+    (copy / "model.safetensors").unlink()
+    return copy
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["trainer.pt", "optimizer.pt"])
 def test_single_checkpoint_planted(single_run, cache_dir, tmp_path, name):
     marker = tmp_path / "ran"
     run_dir, checkpoint = _copy(single_run, tmp_path)
     plant_torch_file(checkpoint / name, marker)
-    resume = _launch(1, _args(run_dir, cache_dir, {}))
-    if name == "trainer.pt":
-        assert_cli_refused(resume, checkpoint / name, marker)
-        assert_cli_refused(_cli("eval.run", "--run", str(run_dir), "--tasks", "ppl"), checkpoint / name, marker)
+    rerecord_sizes(checkpoint)
+    if name == "trainer.pt":  # evaluation and export read it too (before a resume may rewrite the run)
+        evaluate = _cli(
+            "eval.run", "--checkpoint", str(checkpoint), "--tasks", "ppl", "--out", str(tmp_path / "e.json")
+        )
+        assert_cli_refused(evaluate, checkpoint / name, marker)
         assert_cli_refused(_export(checkpoint, tmp_path), checkpoint / name, marker)
+    resume = _launch(1, _args(run_dir, cache_dir, {}, **RESUME))
+    if name == "trainer.pt":
+        assert_resume_refused(resume, checkpoint / name, marker)
         return
     assert not marker.exists() and resume.returncode != 0, resume.stderr[-3000:]
     if not any(line.startswith("error:") for line in resume.stderr.splitlines()):
@@ -340,24 +379,26 @@ def test_ddp_checkpoint_planted_metadata(ddp_run, cache_dir, tmp_path):
     marker = tmp_path / "ran"
     run_dir, checkpoint = _copy(ddp_run, tmp_path)
     plant_dcp_metadata(checkpoint / "dcp", marker)
-    assert_cli_refused(
-        _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"})), checkpoint / "dcp" / ".metadata", marker, 1
-    )
-    (checkpoint / "model.safetensors").unlink()  # export reads the DCP shards
-    assert_cli_refused(_export(checkpoint, tmp_path), checkpoint / "dcp" / ".metadata", marker)
+    rerecord_sizes(checkpoint)
+    shards = _shards_only(checkpoint, tmp_path)
+    assert_cli_refused(_export(shards, tmp_path), shards / "dcp" / ".metadata", marker)
+    resume = _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"}, **RESUME))
+    assert_resume_refused(resume, checkpoint / "dcp" / ".metadata", marker, 1)
 
 
 @pytest.mark.slow
 def test_ddp_checkpoint_planted_distcp_entries(ddp_run, cache_dir, tmp_path):
+    """An optimizer value (read on resume) and, in a second copy, a weight (read by export)."""
     marker = tmp_path / "ran"
     run_dir, checkpoint = _copy(ddp_run, tmp_path)
-    fqn = plant_distcp_entry(checkpoint / "dcp", marker, tensor=False)  # an optimizer value: read on resume
-    resume = _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"}))
-    assert_cli_refused(resume, checkpoint / "dcp", marker, 1)
-    assert fqn in resume.stderr
-    plant_distcp_entry(checkpoint / "dcp", marker, tensor=True)  # a weight: read by export
-    (checkpoint / "model.safetensors").unlink()
-    assert_cli_refused(_export(checkpoint, tmp_path), checkpoint / "dcp", marker)
+    shards = _shards_only(checkpoint, tmp_path)
+    plant_distcp_entry(shards / "dcp", marker, tensor=True)
+    assert_cli_refused(_export(shards, tmp_path), shards / "dcp", marker)
+    fqn = plant_distcp_entry(checkpoint / "dcp", marker, tensor=False)
+    rerecord_sizes(checkpoint)
+    resume = _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"}, **RESUME))
+    assert_resume_refused(resume, checkpoint / "dcp", marker, 1)
+    assert fqn in resume.stdout + resume.stderr
 
 
 @pytest.mark.slow
@@ -371,12 +412,14 @@ def test_deepspeed_checkpoint_planted(deepspeed_run, cache_dir, tmp_path, patter
     run_dir, checkpoint = _copy(deepspeed_run, tmp_path)
     (planted,) = sorted((checkpoint / "ds").glob(pattern))
     plant_torch_file(planted, marker, safe_load.deepspeed_globals())
-    resume = _launch(2, _args(run_dir, cache_dir, DEEPSPEED))
-    assert_cli_refused(resume, planted, marker, 1)
-    assert sum(line.startswith("error:") for line in resume.stderr.splitlines()) == 2, "both ranks refuse"
-    (checkpoint / "model.safetensors").unlink()  # export consolidates the ZeRO files
-    assert_cli_refused(_export(checkpoint, tmp_path), planted, marker)
-    get_fp32_state_dict_from_zero_checkpoint(str(checkpoint), tag="ds")  # control: DeepSpeed's own reader runs it
+    rerecord_sizes(checkpoint)
+    shards = _shards_only(checkpoint, tmp_path)
+    assert_cli_refused(_export(shards, tmp_path), shards / "ds" / planted.name, marker)
+    resume = _launch(2, _args(run_dir, cache_dir, DEEPSPEED, **RESUME))
+    assert_resume_refused(resume, planted, marker, 1)
+    if resume.returncode:
+        assert sum(line.startswith("error:") for line in resume.stderr.splitlines()) == 2, "both ranks refuse"
+    get_fp32_state_dict_from_zero_checkpoint(str(shards), tag="ds")  # control: DeepSpeed's own reader runs it
     assert marker.exists()
 
 
