@@ -259,7 +259,7 @@ def _args(run_dir: Path, cache_dir: Path, engine: dict, **extra) -> list[str]:
 
 
 def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
-    from tests.e2e.test_distributed import torchrun
+    from tests.e2e.helpers import torchrun
     from tests.e2e.test_train_cli import train
 
     return train(args) if nproc == 1 else torchrun(nproc, args)
@@ -267,7 +267,7 @@ def _launch(nproc: int, args: list[str]) -> subprocess.CompletedProcess:
 
 def _trained(tmp_path_factory, cache_dir, name: str, nproc: int, engine: dict) -> Path:
     """A run stopped at step STOP with its checkpoint (kept pristine: tests plant into copies)."""
-    from tests.e2e.test_distributed import why
+    from tests.e2e.helpers import why
 
     run_dir = tmp_path_factory.mktemp(name) / "run"
     proc = _launch(nproc, _args(run_dir, cache_dir, engine))
