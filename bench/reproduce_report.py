@@ -201,6 +201,21 @@ def _details(results: Results, budget: dict, groups: list[str]) -> list[str]:
     return lines
 
 
+TARGET_MINUTES = {"full": 30, "quick": 8}  # the wall-time budget of each mode on 2 cores (issue 19)
+
+
+def _over_target(meta: dict, budget: dict) -> list[str]:
+    target = TARGET_MINUTES.get(budget["name"])
+    minutes = meta["wall_seconds"] / 60
+    if target is None or minutes <= target:
+        return []
+    return [
+        f"- **Over the {target}-minute target for this mode** ({minutes:.1f} min): the 2-core machine was shared "
+        f"while it ran (load average {meta['load_average_start'][0]:.1f} at the start, "
+        f"{meta['load_average_end'][0]:.1f} at the end, against {meta['jobs']} worker processes)."
+    ]
+
+
 def markdown(meta: dict, budget: dict, rows: list[dict], details: list[str], made: dict[str, str], assets: str) -> str:
     b, d = budget, meta["data"]
     tokens = b["steps"] * b["batch_size"] * b["seq_len"]
@@ -215,6 +230,7 @@ def markdown(meta: dict, budget: dict, rows: list[dict], details: list[str], mad
         f"- Command: `{meta['command']}`. Wall time: {meta['wall_seconds'] / 60:.1f} min; CPU time of all its "
         f"processes {meta['cpu_seconds'] / 60:.1f} min (on {meta['jobs']} otherwise idle cores the wall time would be "
         f"about {meta['cpu_seconds'] / 60 / meta['jobs']:.1f} min: an estimate, not a measurement).",
+        *_over_target(meta, budget),
         f"- Device: {meta['device']}. Load average (1, 5, 15 min) at the start {meta['load_average_start']}, "
         f"at the end {meta['load_average_end']} (the machine was shared when it was higher than the worker count).",
         f"- Data: {len(d['files'])} files of `{d['path']}` (the first by name, {d['bytes'] / 1e6:.1f} MB: "
