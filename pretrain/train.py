@@ -77,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except Preempted as exc:
             return _preempted_before_training(exc, signals, run_dir)
+        except OSError as exc:  # the file system said no (a full disk during a checkpoint, a read-only run.dir)
+            where = f" ({exc.filename})" if exc.filename else ""
+            print(f"error: run.dir: {exc.strerror or exc}{where}", file=sys.stderr)
+            _leave_process_group()
+            return 2
         except BaseException:
             _leave_process_group()  # no barrier: the other ranks may be gone
             raise

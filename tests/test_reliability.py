@@ -198,8 +198,25 @@ CASES = [
     Case("torn-metrics-line", resume(), 0, "metrics.jsonl: dropped its last line", setup=torn_metrics_line, slow=True),
 ]
 
+
 # ---- the trainer's own cases (pretrain/train.py, pretrain/loop.py): add rows here -------------
-TRAINER_CASES: list[Case] = []
+A_FILE = write("f", b"x")
+
+
+def _start(*assignments: str) -> tuple[str, ...]:
+    return train('data.cache_dir="{tmp}/cache"', "train.max_steps=2", *assignments, dry_run=False)
+
+
+TRAINER_CASES: list[Case] = [
+    Case("run-dir-empty", train('run.dir=""'), 2, "run.dir: must name a directory"),
+    Case(
+        "run-dir-is-a-file", _start('run.dir="{tmp}/f"'), 2, "run.dir: cannot write", setup=write("f", b"x"), slow=True
+    ),
+    Case(
+        "run-dir-under-a-file", _start('run.dir="{tmp}/f/run"'), 2, "run.dir: cannot", setup=write("f", b"x"), slow=True
+    ),
+    Case("run-dir-read-only", _start('run.dir="/sys/run"'), 2, "run.dir: cannot write /sys/run", slow=True),
+]
 
 
 # ---- running a row ---------------------------------------------------------------------------

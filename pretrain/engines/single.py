@@ -8,6 +8,7 @@ import torch
 
 from pretrain.checkpoint import MODEL_FILE, load_weights
 from pretrain.engines.base import Engine
+from run.safe_load import torch_load
 
 
 class SingleEngine(Engine):
@@ -26,6 +27,6 @@ class SingleEngine(Engine):
 
     def read_state(self, directory: Path) -> None:
         load_weights(self.raw_model, directory, device=self.device)
-        state = torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        state = torch_load(directory / "optimizer.pt", map_location=self.device)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
