@@ -115,6 +115,8 @@ class Trainer:
             self.model.document_eos_id = self.corpus.tokenizer.eos_id
         check_patterns(self.model, cfg.train)
         self._apply_trainable()
+        if cfg.train.init_from and not ckpt.complete_checkpoints(self.run_dir):
+            self._init_from(cfg.train.init_from)  # before the engine wraps the weights (FSDP2 shards, ZeRO copies them)
         self.engine: Engine = build_engine(self.model, cfg.train, self.device)
         world = self.engine.world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
@@ -247,7 +249,7 @@ class Trainer:
     def _restore(self) -> None:
         path = ckpt.latest_checkpoint(self.run_dir)
         if path is None:
-            if self.cfg.train.init_from:
+            if self.cfg.train.init_from and ckpt.complete_checkpoints(self.run_dir):  # all damaged: not loaded yet
                 self._init_from(self.cfg.train.init_from)
             self.loggers.truncate_after(0)  # a restart before the first checkpoint: its metrics are stale
             return

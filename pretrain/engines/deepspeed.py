@@ -132,12 +132,15 @@ class DeepSpeedEngine(DataParallelEngine):
         if self.is_main:
             from safetensors.torch import save_file
 
-            if self.cfg.options("deepspeed").zero_stage == 0:
-                full = {k: v.detach().float().cpu() for k, v in self.raw_model.state_dict().items()}
-            else:
+            stage = self.cfg.options("deepspeed").zero_stage
+            full = {}
+            if stage > 0:
                 from run.safe_load import zero_state_dict
 
                 full = zero_state_dict(directory, DS_TAG)
+            if stage < 3:  # whole on every rank; ZeRO-1 leaves frozen parameters out of its files (centroid-only runs)
+                own = self.raw_model.state_dict().items()
+                full |= {k: v.detach().float().cpu() for k, v in own if k not in full}
             save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
             torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 

@@ -113,9 +113,37 @@ class DataParallelEngine(Engine):
             )
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
+        restore = _saved_scalars_as_views(state, directory / DCP_DIR)
         dcp_load(state, directory / DCP_DIR)  # torch's reader unpickles .metadata unchecked; this one does not
+        for container, key, tensor in restore:
+            container[key] = tensor
         set_state_dict(self.wrapped, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
+
+
+def _saved_scalars_as_views(state: dict[str, Any], dcp_dir: Path) -> list[tuple[dict, str, Tensor]]:
+    """Parameters that were 0-dim when the checkpoint was written and are shape [1] now (Focus's lambda; FSDP2 cannot
+    shard a scalar): DCP refuses the size change, so such a plain-tensor entry (model or optimizer state) becomes a
+    0-dim view of itself for the load, which fills the [1] tensor. Returns (container, key, tensor) to put back."""
+    from run.safe_load import read_dcp_metadata
+
+    saved = read_dcp_metadata(dcp_dir).state_dict_metadata
+    out = []
+
+    def visit(container: dict, prefix: str) -> None:
+        for key, value in container.items():
+            name = f"{prefix}.{key}"
+            if isinstance(value, dict):
+                visit(value, name)
+            elif isinstance(value, Tensor) and value.shape == (1,) and type(value) is Tensor:
+                size = getattr(saved.get(name), "size", None)
+                if size is not None and len(size) == 0:
+                    out.append((container, key, value))
+                    container[key] = value.view(())
+
+    for section in ("model", "optim"):
+        visit(state[section], section)
+    return out
 
 
 class DDPEngine(DataParallelEngine):
@@ -178,15 +206,23 @@ class FSDP2Engine(DataParallelEngine):
         return contextlib.nullcontext()
 
     def trainable_changed(self) -> None:
-        """fully_shard copies each sharded parameter's ``requires_grad`` to its unsharded form at every all-gather,
-        and reduce-scatters only the gradients there are, so a new trainable set needs no re-wrap. What it derived
-        once, at the first forward, is each group's gradient dtypes (original and reduce dtype, None for a group
-        with nothing to train, e.g. the embeddings during centroid-only training): derived again here, so a group
-        unfrozen under a bf16 policy reduces in fp32 and hands fp32 gradients to its fp32 shards."""
+        """fully_shard copies each sharded parameter's ``requires_grad`` to its gathered (unsharded) form at every
+        all-gather and reduce-scatters only the gradients there are, so a new trainable set needs no re-wrap, provided
+        the flags sit on the sharded parameters. A group with nothing to train (the root's embeddings during
+        centroid-only training) is never resharded after backward, so the trainer set the flags on its gathered
+        parameters, which the next all-gather would overwrite: every group is resharded and the flags moved to the
+        sharded parameters. What fully_shard derived once, at the first forward, is each group's gradient dtypes
+        (None for a group with nothing to train): derived again, so a group unfrozen under a bf16 policy reduces in
+        fp32 and hands fp32 gradients to its fp32 shards."""
         from torch.distributed.fsdp import FSDPModule
 
-        for module in self.raw_model.modules():
-            if isinstance(module, FSDPModule):
-                group = module._get_fsdp_state()._fsdp_param_group
-                if group is not None:
-                    group._init_mp_dtypes()
+        flags = {name: p.requires_grad for name, p in self.raw_model.named_parameters()}
+        modules = [m for m in self.raw_model.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.reshard()
+        for name, param in self.raw_model.named_parameters():
+            param.requires_grad_(flags[name])
+        for module in modules:
+            group = module._get_fsdp_state()._fsdp_param_group
+            if group is not None:
+                group._init_mp_dtypes()
