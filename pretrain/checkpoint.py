@@ -35,6 +35,7 @@ from run.checkpoint import (  # noqa: F401
     load_weights,
     resolve_checkpoint,
     step_dir_name,
+    verify_checkpoint,
 )
 
 

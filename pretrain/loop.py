@@ -246,12 +246,27 @@ class Trainer:
         ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
         self._say(f"initialised weights from {path} (step {state.step})")
 
+    def _newest_good_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint whose files are whole (sizes recorded at write time, headers,
+        trainer state); a damaged one (a kill mid-copy, a full disk) is skipped with one line."""
+        first_problem = None
+        for _, path in reversed(ckpt.complete_checkpoints(self.run_dir)):
+            try:
+                ckpt.verify_checkpoint(path, key="resume", all_files=True)
+                return path
+            except ConfigError as exc:
+                self._say(f"warning: skipping a damaged checkpoint: {exc}")
+                first_problem = first_problem or str(exc)
+        if first_problem:  # never silently start over (and overwrite the run) when none is usable
+            raise ConfigError(f"{first_problem}; no usable checkpoint is left in {self.run_dir}/checkpoints")
+        return None
+
     def _restore(self) -> None:
-        path = ckpt.latest_checkpoint(self.run_dir)
+        path = self._newest_good_checkpoint()
         if path is None:
             if self.cfg.train.init_from and ckpt.complete_checkpoints(self.run_dir):  # all damaged: not loaded yet
                 self._init_from(self.cfg.train.init_from)
-            self.loggers.truncate_after(0)  # a restart before the first checkpoint: its metrics are stale
+            self.loggers.start_fresh()  # a restart before the first checkpoint: its metrics are stale
             return
         state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
         if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:

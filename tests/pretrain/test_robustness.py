@@ -129,6 +129,29 @@ def test_sigterm_anywhere_checkpoints_exits_75_and_the_rerun_matches(tmp_path, c
     assert losses(run_dir) == reference
 
 
+@pytest.mark.parametrize("damage", ["truncated-weights", "empty-trainer-state", "torn-metrics-line"])
+def test_a_damaged_run_dir_still_resumes_to_the_reference(tmp_path, cache, reference, damage, capsys):
+    run_dir = tmp_path / "run"
+    train(config(run_dir, cache, **{"train.stop_at": 4}))  # checkpoints at steps 2 and 4
+    latest = run_dir / "checkpoints" / "step_00000004"
+    if damage == "truncated-weights":
+        weights = latest / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    elif damage == "empty-trainer-state":
+        (latest / "trainer.pt").write_bytes(b"")
+    else:
+        with open(run_dir / "metrics.jsonl", "a") as f:
+            f.write('{"step": 5, "lo')  # a kill during a write
+    _, result = train(config(run_dir, cache))
+    assert result.exit_code == 0 and losses(run_dir) == reference
+    out = capsys.readouterr()
+    if damage == "torn-metrics-line":
+        assert "dropped its last line" in out.out + out.err
+    else:
+        assert "warning: skipping a damaged checkpoint: resume: " in out.out
+        assert "resumed from" in out.out and "step_00000002 at step 2" in out.out
+
+
 def test_sigint_checkpoints_and_exits_130_without_a_requeue_marker(tmp_path, cache):
     run_dir = tmp_path / "run"
     trainer, result = train(config(run_dir, cache), [SignalSelf("post_step", signal.SIGINT, step=3)])
