@@ -38,9 +38,10 @@ def torchrun(nproc: int, args: list[str], *, timeout: int = 300) -> subprocess.C
 
 
 def run_sequence(nproc: int, runs: dict[str, list[str]], status: Path, *, timeout: int = 900) -> dict[str, str]:
-    """Training runs (name -> ``--set`` arguments on tiny.toml), one after another in one process per rank: under
-    torchrun (``--standalone``, the launch script's form) with ``nproc`` > 0, in this interpreter with 0. Returns
-    {name: "ok" | the error}, and "launch: ..." for each run that never reported, with the launch's diagnosis."""
+    """Training runs (name -> ``--set`` arguments on tiny.toml, or ``["--config", FILE, "--set", ...]``), one after
+    another in one process per rank: under torchrun (``--standalone``, the launch script's form) with ``nproc`` > 0,
+    in a fresh interpreter with 0. Returns {name: "ok" | the error}, and "launch: ..." with the launch's diagnosis
+    for each run that never reported."""
     spec = status.with_suffix(".spec.json")
     spec.write_text(json.dumps({"runs": runs, "status": str(status)}))
     module = ["-m", "tests.e2e.run_sequence", str(spec)]

@@ -2,7 +2,8 @@
 ``launch/configs/tiny.toml`` one after another in this process, so a test matrix pays for the interpreter, its
 imports and the process group once per launch rather than once per run.
 
-SPEC: ``{"runs": {name: ["--set", "key=value", ...]}, "status": path}``. Each run is what ``pretrain.train`` does
+SPEC: ``{"runs": {name: [["--config", FILE], "--set", "key=value", ...]}, "status": path}`` (FILE: tiny.toml unless
+given; a derived ``<preset>_<variant>.toml`` works as with ``pretrain.train``). Each run is what ``pretrain.train`` does
 (the standard callbacks, checkpoints, ``train.stop_at``, resume from the run directory's latest checkpoint),
 except that the process group stays up between runs. Rank 0 writes ``{name: "ok" | the error's last line}`` to
 the status file after every run, so one failing run is named and the ones after it still run.
@@ -25,8 +26,9 @@ def _train(args: list[str]) -> None:
     from pretrain.loop import Trainer
     from run.config import load_run_config
 
-    overrides = [value for flag, value in zip(args[::2], args[1::2]) if flag == "--set"]
-    cfg = load_run_config(TINY, overrides)
+    pairs = list(zip(args[::2], args[1::2]))
+    config = next((value for flag, value in pairs if flag == "--config"), TINY)
+    cfg = load_run_config(config, [value for flag, value in pairs if flag == "--set"])
     torch._dynamo.reset()  # each run compiles its own blocks afresh (no recompile limit across runs)
     trainer = Trainer(cfg)
     trainer.setup()
