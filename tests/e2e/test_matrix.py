@@ -1,0 +1,185 @@
+"""Every trainable attention variant x every engine, derived from the registries (a new variant or engine joins
+with no edit here), on CPU: 2 gloo processes for the data-parallel engines.
+
+- Variants: each trainable variant's causal suite cases (``Attention.suite_cases``, options sized for short
+  sequences), one per distinct parameter set: full, focal constant and learned, lazy, focus soft, dga causal.
+- Engines: each registered engine; fsdp2 also as HSDP (2 replicas x 1 shard), deepspeed as ZeRO 1, 2 and 3; and
+  activation checkpointing (full, selective) and ``train.compile`` under single and fsdp2.
+- Per (variant, engine): the losses of an uninterrupted 6-step run (training losses per step and the final
+  validation loss) equal the single-process run's to 1e-5 relative, and a run stopped at step 3
+  (``train.stop_at``) and resumed gives steps 4-6 bit for bit (loss and gradient norm).
+
+One launch per engine runs every variant's three runs in sequence (``tests/e2e/run_sequence.py``). The summary
+table (variant, engine, worst relative loss difference, resume exact) is written to ``matrix_summary.md`` and
+``.json`` under pytest's base temporary directory (or ``$MATRIX_SUMMARY_DIR``) and printed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from model.attention import registry
+from model.attention.base import SuiteCase
+from model.config import AttentionConfig
+from model.transformer import build_model
+from pretrain.engines import ENGINES
+from run.engines import ENGINE_SPECS
+from tests.conftest import small_model_config
+from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, run_sequence, train_rows, worst_relative
+from tests.e2e.test_train_cli import overrides
+
+TOL = 1e-5  # relative
+STEPS, STOP = 6, 3
+SHAPE = {
+    "model.d_model": 32,
+    "model.n_layers": 2,
+    "model.n_heads": 4,
+    "model.d_ff": 64,
+    "model.max_seq_len": 32,
+    "data.seq_len": 32,
+    "train.batch_size": 4,
+    "train.micro_batch_size": 1,  # gradient accumulation on every engine (no_sync paths)
+    "train.max_steps": STEPS,
+    "train.warmup_steps": 2,
+    "checkpoint.every": 0,
+    "eval.every": 0,  # validation on the final weights only
+    "eval.batches": 1,
+    "eval.sample_tokens": 0,
+}
+# the validation set is the first eval.batch_size x world size x eval.batches sequences: the same 4 on any world
+# size only with eval.batch_size = 4 / world size (its default, the micro-batch, is not: accumulation is on here)
+VAL_SEQUENCES = 4
+# the option settings each engine is covered with (label -> overrides); an engine not named here runs as it is
+ENGINE_OPTIONS: dict[str, dict[str, dict]] = {
+    "fsdp2": {"fsdp2": {}, "hsdp": {"train.fsdp2.replicate": 2}},
+    "deepspeed": {f"zero{s}": {"train.deepspeed.zero_stage": s} for s in (1, 2, 3)},
+}
+# recomputation and compilation, under these engines
+BLOCK_OPTIONS = {
+    "ac_full": {"train.activation_checkpointing": "full"},
+    "ac_selective": {"train.activation_checkpointing": "selective"},
+    "compile": {"train.compile": True},
+}
+BLOCK_ENGINES = ("single", "fsdp2")
+
+
+def _parameter_set(kind: str, options: dict) -> tuple:
+    cfg = small_model_config(attention=AttentionConfig(kind=kind, options={kind: registry[kind].config_cls(**options)}))
+    return tuple((name, tuple(p.shape)) for name, p in build_model(cfg, device="meta").named_parameters())
+
+
+def variant_cases() -> dict[str, dict]:
+    """label ``<variant>/<case>`` -> config overrides: every trainable variant's causal suite cases, the first of
+    each distinct parameter set (focal's constant and learned temperature; Focus's soft mode, not its hard
+    inference mode or other gates, which train the same parameters), with the variant's launch settings."""
+    cases = {}
+    for kind in sorted(registry):
+        cls = registry[kind].cls
+        if not cls.trainable:
+            continue
+        seen = set()
+        for case in cls.suite_cases() or [SuiteCase("default")]:
+            signature = _parameter_set(kind, case.options)
+            if not case.causal or signature in seen:
+                continue
+            seen.add(signature)
+            extra = {"model.attention.kind": kind, **cls.launch_overrides("llama")}
+            cases[f"{kind}/{case.name}"] = extra | {f"model.attention.{kind}.{k}": v for k, v in case.options.items()}
+    return cases
+
+
+def engine_cases() -> dict[str, dict]:
+    """label -> overrides: every registered engine with its option settings, then the block options."""
+    cases = {}
+    for name in ENGINES:
+        for label, extra in ENGINE_OPTIONS.get(name, {name: {}}).items():
+            cases[label] = {"train.engine": name, **extra}
+    for name in BLOCK_ENGINES:
+        for label, extra in BLOCK_OPTIONS.items():
+            cases[f"{name}+{label}"] = {"train.engine": name, **extra}
+    return cases
+
+
+VARIANTS, ENGINE_CASES = variant_cases(), engine_cases()
+REFERENCE = "single"
+_launches: dict[str, dict[str, str]] = {}  # engine label -> {run name: status}
+SUMMARY: dict[tuple[str, str], dict] = {}
+
+
+def _run_dir(root: Path, engine: str, variant: str, run: str) -> Path:
+    return root / engine.replace("+", "_") / variant.replace("/", "_") / run
+
+
+def _launch(engine: str, root: Path, cache_dir: Path) -> dict[str, str]:
+    """Every variant's runs under ``engine``, in one launch (memoised: the first test of an engine pays)."""
+    if engine not in _launches:
+        extra = ENGINE_CASES[engine]
+        nproc = 2 if ENGINE_SPECS[extra["train.engine"]].distributed else 0
+        extra = {**extra, "eval.batch_size": VAL_SEQUENCES // max(nproc, 1)}
+        runs = {}
+        for variant, options in VARIANTS.items():
+            for run, more in (("full", {}), ("stop", {"train.stop_at": STOP}), ("resume", {})):
+                run_dir = _run_dir(root, engine, variant, "full" if run == "full" else "stopped")
+                runs[f"{variant} {run}"] = overrides(run_dir, cache_dir, **SHAPE, **options, **extra, **more)
+        status = root / f"{engine.replace('+', '_')}.status.json"
+        _launches[engine] = run_sequence(nproc, runs, status, timeout=1800)
+    return _launches[engine]
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("matrix")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary(tmp_path_factory):
+    yield SUMMARY
+    if not SUMMARY:
+        return
+    lines = ["| variant | engine | worst relative loss difference | resume exact |", "|---|---|---|---|"]
+    for (variant, engine), row in SUMMARY.items():
+        worst = "failed" if row["worst"] is None else f"{row['worst']:.2e}"
+        lines.append(f"| {variant} | {engine} | {worst} | {row['resume']} |")
+    table = "\n".join(lines)
+    out = Path(os.environ.get("MATRIX_SUMMARY_DIR") or tmp_path_factory.getbasetemp())
+    (out / "matrix_summary.md").write_text(table + "\n")
+    (out / "matrix_summary.json").write_text(json.dumps({f"{v} x {e}": r for (v, e), r in SUMMARY.items()}, indent=1))
+    print(f"\n{table}\n(written to {out / 'matrix_summary.md'})")
+
+
+def test_the_matrix_covers_every_trainable_variant_and_engine():
+    kinds = {label.split("/")[0] for label in VARIANTS}
+    assert kinds == {k for k, e in registry.items() if e.cls.trainable}
+    assert {"focal/constant", "focal/learned-query", "focus/soft-prefix", "dga/causal"} <= VARIANTS.keys()
+    assert {c["train.engine"] for c in ENGINE_CASES.values()} == set(ENGINES)
+    assert {"single", "ddp", "fsdp2", "hsdp", "zero1", "zero2", "zero3"} <= ENGINE_CASES.keys()
+
+
+@pytest.mark.parametrize(("engine", "variant"), [(e, v) for e in ENGINE_CASES for v in VARIANTS])
+def test_variant_under_engine(engine, variant, root, cache_dir):
+    if ENGINE_CASES[engine]["train.engine"] == "deepspeed" and not HAVE_DEEPSPEED:
+        pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
+    row = SUMMARY.setdefault((variant, engine), {"worst": None, "resume": "no"})
+    status = _launch(engine, root, cache_dir)
+    failed = {
+        run: status[f"{variant} {run}"] for run in ("full", "stop", "resume") if status[f"{variant} {run}"] != "ok"
+    }
+    assert not failed, failed
+    reference = _launch(REFERENCE, root, cache_dir)
+    assert reference[f"{variant} full"] == "ok", reference[f"{variant} full"]
+
+    full = _run_dir(root, engine, variant, "full")
+    row["worst"] = worst = worst_relative(all_losses(full), all_losses(_run_dir(root, REFERENCE, variant, "full")))
+    resumed, uninterrupted = train_rows(_run_dir(root, engine, variant, "stopped")), train_rows(full)
+    exact = sorted(resumed) == list(range(1, STEPS + 1)) and all(
+        (resumed[s]["loss"], resumed[s]["grad_norm"]) == (uninterrupted[s]["loss"], uninterrupted[s]["grad_norm"])
+        for s in range(STOP + 1, STEPS + 1)
+    )
+    row["resume"] = "yes" if exact else "no"
+    assert len(all_losses(full)) == STEPS + 1, "a training loss per step and the final validation loss"
+    assert worst <= TOL, f"worst relative loss difference {worst:.3g} against the single-process run"
+    assert exact, {s: (resumed.get(s, {}).get("loss"), uninterrupted[s]["loss"]) for s in range(STOP + 1, STEPS + 1)}
