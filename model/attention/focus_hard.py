@@ -48,7 +48,8 @@ _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 MASK_ELEMENTS = 1 << 20  # entries of one additive mask chunk (4 MiB in float32)
 STACK_SLACK = 1.25  # top_k = 1: one call for all groups while padding them to the largest adds <= 25% rows
-BAND_ELEMENTS = 1 << 18  # mask entries per band chunk (1 MiB in float32: keeps the peak memory near the output's)
+STACK_ROWS = 4096  # ... and while the stacked rows are few (it gathers q, k, v whole: memory grows with them)
+BAND_ELEMENTS = 1 << 19  # mask entries per band chunk (2 MiB in float32: keeps the peak memory near the output's)
 CLASS_LEVELS = (1024, 128)  # query chunk sizes of the class split's staircase (see HardPlan._class_parts)
 CLASS_LIMIT = 4  # class split while the distinct memberships per sequence are at most CLASS_LIMIT * K
 NEG_INF = float("-inf")
@@ -350,11 +351,12 @@ class HardPlan:
 
     def _stacked_groups(self, b: int) -> _Part | None:
         """top_k = 1 from position 0 with balanced groups: every group in one kernel call, each padded at its end
-        to the largest group's size (None when that padding would exceed STACK_SLACK of the tokens)."""
+        to the largest group's size (None when that padding would exceed STACK_SLACK of the tokens, or the stack
+        STACK_ROWS rows: short sequences, where per-call overheads weigh most)."""
         groups = self.bits_k[b].long().bitwise_and(-self.bits_k[b].long()).log2().long()  # the one set bit
         counts = torch.bincount(groups, minlength=self.n_groups)
         length = int(counts.max())
-        if self.n_groups * length > STACK_SLACK * self.tk:
+        if self.n_groups * length > STACK_SLACK * self.tk or self.n_groups * length > STACK_ROWS:
             return None
         order = torch.sort(groups, stable=True).indices  # members of group 0, then 1, ... in position order
         starts = torch.cumsum(counts, 0) - counts
@@ -658,8 +660,11 @@ def cpu_decode_hard_attention(
         if len(parts) == 1:
             outs.append(o)
             continue
-        weights = torch.softmax(torch.stack([p[1] for p in parts]), dim=0)  # [P, 1, H, 1]
-        outs.append((torch.stack([p[0] for p in parts]) * weights[..., None]).sum(0).to(q.dtype))
+        total = parts[0][1]
+        for _, lse_part in parts[1:]:
+            total = torch.logaddexp(total, lse_part)
+        out = sum(o_part * torch.exp(lse_part - total)[..., None] for o_part, lse_part in parts)  # elementwise only
+        outs.append(out.to(q.dtype))
     return torch.cat(outs, 0)
 
 
