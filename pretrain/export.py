@@ -13,6 +13,9 @@ tokenizer (data/hf_tokenizer.py). A model whose attention variant is not ``full`
 runs full attention only) unless ``--allow-variant``: then config.json names the variant and its
 ``model_type`` is ``focused_<type>``, which ``AutoModelForCausalLM`` refuses rather than running the
 model with the wrong attention; ``python -m pretrain.hf_import`` reads it back.
+
+``--only PATTERN`` (repeatable, safetensors): only the matching tensors, e.g. ``'*.core.*'``: a centroid file
+(an attention variant's own parameters, for swapping domains; ``pretrain/adapters.py``, docs/retrofit.md).
 """
 
 from __future__ import annotations
@@ -160,6 +163,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="hf: export a model whose attention variant transformers cannot run (config.json names it)",
     )
+    p.add_argument(
+        "--only",
+        action="append",
+        metavar="PATTERN",
+        help="safetensors: only the tensors whose names match (fnmatch, repeatable); '*.core.*' writes a centroid "
+        "file (pretrain/adapters.py, docs/retrofit.md)",
+    )
     args = p.parse_args(argv)
     if args.run:
         path = ckpt.latest_checkpoint(Path(args.run))
@@ -179,6 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.only:
+        from pretrain.adapters import export_adapter
+
+        if args.format != "safetensors":
+            print("error: --only: writes a centroid file (--format safetensors), not --format hf", file=sys.stderr)
+            return 2
+        try:
+            out, n, numel = export_adapter(
+                path, Path(args.out), args.only, weights=consolidated_weights(path), dtype=args.dtype
+            )
+        except ConfigError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"exported {n} tensors ({numel:,} parameters) matching {', '.join(args.only)} of {path} -> {out}")
+        return 0
     if args.format == "hf":
         try:
             export_hf(
