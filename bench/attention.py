@@ -489,10 +489,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-seconds", type=float, default=60.0, help="skip a run predicted to take longer")
     parser.add_argument("--no-decode", action="store_true")
     parser.add_argument("--no-backward", action="store_true", help="forward only")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
     parser.add_argument("--quick", action="store_true", help="a smoke run: T 256 and 512, contexts 512, 1 repeat")
     parser.add_argument("--memory-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.memory_child:
         memory_child(json.loads(args.memory_child))
         return

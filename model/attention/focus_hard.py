@@ -47,6 +47,7 @@ from model.attention.flex import cached_block_mask, flex_attention_fn
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 MASK_ELEMENTS = 1 << 20  # entries of one additive mask chunk (4 MiB in float32)
+GROUP_CHUNK = 2048  # a group with more members runs as query chunks of this size (peak memory)
 STACK_SLACK = 1.25  # top_k = 1: one call for all groups while padding them to the largest adds <= 25% rows
 STACK_ROWS = 4096  # ... and while the stacked rows are few (it gathers q, k, v whole: memory grows with them)
 BAND_ELEMENTS = 1 << 19  # mask entries per band chunk (2 MiB in float32: keeps the peak memory near the output's)
@@ -326,6 +327,15 @@ class HardPlan:
                 lk, lq = bk[ik] & lower, bq[iq] & lower
                 dedup = bool(lk.any()) and bool(lq.any())
             exclusive = self.top_k == 1
+            if aligned and not dedup and ik.numel() > GROUP_CHUNK:  # big group: bound the gathered queries and output
+                keys = _Gathered(b, ik)
+                for a in range(0, ik.numel(), GROUP_CHUNK):
+                    e = min(a + GROUP_CHUNK, ik.numel())
+                    rows = _Rows(b, ik[a:e])
+                    yield _Part(rows, keys.part(a, e), causal=True, exclusive=exclusive)  # the diagonal block
+                    if a > 0:
+                        yield _Part(rows, keys.part(0, a), causal=False)  # every earlier member: unmasked
+                continue
             if aligned and not dedup:
                 yield _Part(_Rows(b, iq), _Rows(b, ik), causal=True, exclusive=exclusive)
                 continue

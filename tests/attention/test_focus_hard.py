@@ -372,3 +372,19 @@ def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_back
     assert pgrads["lam"] is not None and pgrads["lam"].abs() > 0
     for name, r in ref_pgrads.items():
         torch.testing.assert_close(pgrads[name], r, atol=1e-10, rtol=0, msg=name)
+
+
+def test_cpu_path_big_groups_run_in_query_chunks(monkeypatch):
+    """A group with more than GROUP_CHUNK members runs as query chunks (diagonal block causal, earlier members
+    unmasked), to bound the peak memory: same values and gradients."""
+    import model.attention.focus_hard as focus_hard
+
+    monkeypatch.setattr(focus_hard, "GROUP_CHUNK", 48)
+    b, t, window, n_groups = 2, 300, 16, 4
+    q, k, v = inputs(b, t, torch.float64, seed=9)
+    bits = memberships("skewed", b, t, n_groups, 1, seed=9)
+    ref_out, ref_grads = values_and_grads(dense_fn(bits, window), q, k, v)
+    fast_out, fast_grads = values_and_grads(cpu_fn(bits, window, n_groups, 1), q, k, v)
+    torch.testing.assert_close(fast_out, ref_out, atol=1e-12, rtol=0)
+    for a, r in zip(fast_grads, ref_grads):
+        torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
