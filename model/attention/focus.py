@@ -60,19 +60,19 @@ STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pair
 class FocusConfig(VariantConfig):
     n_groups: int = 4  # K
     d_group: int = 16  # d_g; 0 = d_model (the paper's full-rank projection)
-    tau: float = 0.1
-    sinkhorn_iters: int = 10
+    tau: float = 0.1  # temperature dividing the group scores
+    sinkhorn_iters: int = 10  # Sinkhorn normalisation rounds
     sinkhorn_scope: str = "prefix"  # prefix (causal) | sequence (the paper's; not causal)
     assignment: str = "sinkhorn"  # sinkhorn | softmax (collapses; kept for the comparison)
     window: int = 128  # pairs with i - j < window are never gated
     gate: str = "additive"  # additive: + log sigmoid(lam (a - 0.5)) | multiplicative: x sigmoid(lam a)
-    lambda_init: float = 2.0
-    lambda_learnable: bool = True
+    lambda_init: float = 2.0  # gate strength lambda at the start
+    lambda_learnable: bool = True  # lambda is a trained parameter (constant schedule only)
     # lambda annealing: from lambda_init to lambda_end over the first lambda_warmup share of
     # train.max_steps, then held (the paper: 2 -> 12 over half the steps)
     lambda_schedule: str = "constant"
-    lambda_end: float = 12.0
-    lambda_warmup: float = 0.5
+    lambda_end: float = 12.0  # scheduled lambda: the value after the warm-up
+    lambda_warmup: float = 0.5  # scheduled lambda: share of train.max_steps to reach lambda_end
     mode: str = "soft"  # soft (training) | hard (exact sparse inference)
     top_k: int = 1  # hard mode: groups per token
     entropy_weight: float = 0.1  # auxiliary loss on assignment entropy (mean over layers), see entropy
