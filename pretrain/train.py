@@ -151,5 +151,17 @@ def _leave_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _exit(code: int) -> None:
+    """A worker of a distributed run leaves without the interpreter's teardown: gloo and DeepSpeed keep C++ threads
+    whose destructors can abort a finished process ("terminate called without an active exception", SIGABRT), so
+    torchrun reports a failure after a complete run. By now every file is written and closed and the group is gone.
+    Error exits keep the normal path: every rank's one-line message is printed before torchrun stops the others."""
+    if code == 0 and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())
