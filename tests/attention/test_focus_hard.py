@@ -24,14 +24,12 @@ from model.attention import KVCache, LayerSpec, build_attention
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
-from model.attention.focus_hard import (
+from model.attention.focus_hard import cpu_hard_attention
+from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus_hard_flex import (
     FLEX_BLOCK,
-    GroupLists,
     _group_layout,
     band_block_mask_tensors,
-    cpu_decode_hard_attention,
-    cpu_hard_attention,
-    decode_hard_attention,
     flex_hard_attention,
     group_block_mask_tensors,
 )
