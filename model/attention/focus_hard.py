@@ -350,18 +350,9 @@ class _HardAttention(torch.autograd.Function):
 
 
 def cpu_hard_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    bits_q: Tensor,
-    bits_k: Tensor,
-    window: int,
-    scale: float,
-    n_groups: int,
-    top_k: int,
-    split: str = "auto",
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, window: int, scale: float, n_groups: int,
+    top_k: int, split: str = "auto",
+) -> Tensor:  # fmt: skip
     """Exact hard-mode attention on the fused CPU kernel, with gradients.
 
     q [B, H, Tq, D]; k, v [B, Hkv, Tk, D] (GQA: H a multiple of Hkv); the queries are the last Tq of the Tk tokens

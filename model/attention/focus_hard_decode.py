@@ -97,15 +97,7 @@ class GroupRows:
 
 
 def cpu_decode_hard_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    bits_q: Tensor,
-    bits_k: Tensor,
-    lists: GroupLists,
-    window: int,
-    scale: float,
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, lists: GroupLists, window: int, scale: float
 ) -> Tensor:
     """``decode_hard_attention`` on the CPU kernel, reading each of the token's groups' far keys as one contiguous
     slice of ``GroupRows`` (kept in ``lists.rows``) and the window as a slice of the cache; the parts (window, one per
@@ -153,15 +145,7 @@ def cpu_decode_hard_attention(
 
 
 def decode_hard_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    bits_q: Tensor,
-    bits_k: Tensor,
-    lists: GroupLists,
-    window: int,
-    scale: float,
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, lists: GroupLists, window: int, scale: float
 ) -> Tensor:
     """One new token per sequence (q [B, H, 1, D], the last of the Tk cached keys): exact hard attention reading the
     window and the far members of the token's groups only. Any device; SDPA does the attention."""

@@ -119,18 +119,9 @@ def band_block_mask_tensors(tq: int, tk: int, window: int, *, block: int = FLEX_
 
 
 def flex_hard_attention(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    *,
-    bits_q: Tensor,
-    bits_k: Tensor,
-    window: int,
-    scale: float,
-    n_groups: int,
-    top_k: int,
-    compiled: bool,
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, window: int, scale: float, n_groups: int,
+    top_k: int, compiled: bool,
+) -> Tensor:  # fmt: skip
     """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
     by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests."""
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask
