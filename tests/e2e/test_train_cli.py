@@ -54,24 +54,10 @@ def toy_args(run_dir: Path, cache_dir: Path, **values) -> list[str]:
 
 def overrides(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
     """``toy_args`` for 40 steps of micro-batches of 2, checkpoints every 10 steps, evaluation every 20."""
-    return toy_args(
-        run_dir,
-        cache_dir,
-        **{
-            "train.micro_batch_size": 2,
-            "train.max_steps": 40,
-            "train.warmup_steps": 5,
-            "train.log_every": 1,
-            "checkpoint.every": 10,
-            "checkpoint.keep": 3,
-            "eval.every": 20,
-            "eval.batches": 2,
-            "eval.sample_tokens": 8,
-            "log.wandb": "disabled",
-            "log.tensorboard": False,
-            **extra,
-        },
-    )
+    steps = {"train.micro_batch_size": 2, "train.max_steps": 40, "train.warmup_steps": 5, "train.log_every": 1}
+    saves = {"checkpoint.every": 10, "checkpoint.keep": 3, "eval.every": 20, "eval.batches": 2, "eval.sample_tokens": 8}
+    logs = {"log.wandb": "disabled", "log.tensorboard": False}
+    return toy_args(run_dir, cache_dir, **{**steps, **saves, **logs, **extra})
 
 
 def train(
