@@ -24,20 +24,17 @@ Adding a variant is one line in ``CASES``: a label, the registered kind and its 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import dataclasses
 import datetime
 import inspect
 import json
 import os
 import platform
-import re
 import shlex
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -45,6 +42,7 @@ from typing import Any
 
 import torch
 
+from bench.memory import PeakMemory, cache_nbytes, fix_malloc_for_rss, measure
 from model.attention import KVCache, LayerSpec, build_attention, registry
 
 HEADS, HEAD_DIM, BATCH = 4, 64, 1
@@ -106,67 +104,6 @@ def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
 
 
 # ---- measurement ---------------------------------------------------------------------------------------------------
-def fix_malloc_for_rss() -> bool:
-    """glibc: every allocation >= 64 KiB gets its own mmap, returned to the system when freed (no dynamic threshold)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 64 * 1024))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))
-
-
-class PeakMemory:
-    """Peak bytes added during the ``with`` block (see the module docstring); ``peak`` is None where unmeasurable."""
-
-    def __init__(self, device: str):
-        self.device, self.peak = device, None
-
-    def __enter__(self):
-        if self.device not in ("cuda", "cpu"):
-            return self
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return self
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current VmRSS
-            self.base = _status_kib("VmRSS") * 1024
-        except OSError:
-            self.base = None
-        return self
-
-    def __exit__(self, *exc):
-        if self.device not in ("cuda", "cpu"):
-            return
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        elif self.base is not None:
-            self.peak = max(0, _status_kib("VmHWM") * 1024 - self.base)
-
-
-def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int | None]:
-    """(median seconds of ``repeat`` runs after one warm-up, peak bytes on CUDA; None on CPU, see ``cpu_peaks``)."""
-    fn()
-    times, peaks = [], []
-    for _ in range(repeat):
-        with PeakMemory(device if device == "cuda" else "none") as mem:
-            t0 = time.perf_counter()
-            fn()
-            if device == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        peaks.append(mem.peak)
-    return statistics.median(times), (None if None in peaks else int(statistics.median(peaks)))
-
-
 def cpu_peaks(t: int, labels: list[str], backward: list[str], dtype: torch.dtype) -> dict[str, dict[str, int | None]]:
     """CPU peak memory of each case at length ``t`` (forward+backward too for the cases in ``backward``), measured
     in a fresh child process whose glibc serves every buffer >= 64 KiB by its own mapping from the start (timing
@@ -207,34 +144,6 @@ def memory_child(spec: dict[str, Any]) -> None:
         out[case.label] = peaks
         del module, inputs
     print(json.dumps(out))
-
-
-def cache_nbytes(cache: KVCache) -> int:
-    """Bytes of every storage reachable from a layer's cache (raw keys / values and ``extra``: tensors, containers and
-    objects' attributes), each storage once: what the cache has allocated, capacity included."""
-    seen: dict[int, int] = {}
-    visited: set[int] = set()
-
-    def visit(x) -> None:
-        if isinstance(x, torch.Tensor):
-            storage = x.untyped_storage()
-            seen[storage.data_ptr() or id(storage)] = storage.nbytes()
-        elif id(x) in visited:
-            return
-        elif isinstance(x, dict):
-            visited.add(id(x))
-            for value in x.values():
-                visit(value)
-        elif isinstance(x, list | tuple):
-            visited.add(id(x))
-            for value in x:
-                visit(value)
-        elif hasattr(x, "__dict__"):
-            visited.add(id(x))
-            visit(vars(x))
-
-    visit([cache.k, cache.v, cache.extra])
-    return sum(seen.values())
 
 
 def forward(module, q, k, v, hidden, positions) -> None:

@@ -17,6 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench.reproduce import MEASUREMENT_RUN
+
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "english_novels"
 
 
@@ -50,13 +52,7 @@ def run(label: str, args: argparse.Namespace, root: Path) -> dict[int, dict]:
         "train.warmup_steps=20",
         f"train.log_every={args.every}",
         f"train.seed={args.seed}",
-        "checkpoint.every=0",
-        "checkpoint.keep=1",
-        "eval.every=0",
-        "eval.batches=2",
-        "log.tensorboard=false",
-        "log.wandb=disabled",
-        "log.console=false",
+        *MEASUREMENT_RUN,
     ]
     trainer = Trainer(load_run_config(None, overrides))
     trainer.setup()

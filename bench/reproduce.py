@@ -54,48 +54,30 @@ GROUP_ARMS: dict[str, dict[str, list[str]]] = {
 
 _SHAPE = dict(n_layers=2, vocab_size=2048, seq_len=128, lr=3e-3, rope_theta=500000.0)
 _PRESCORED = {"min_keys": 8, "block_size": 16, "sample_size": 16, "min_seq_len": 32, "lsh_bits": 4}
-BUDGETS = {
-    "full": dict(
-        _SHAPE,
-        name="full",
-        d_model=128,
-        n_heads=4,
-        d_ff=344,
-        batch_size=8,
-        steps=400,
-        warmup_steps=40,
-        seeds=[0, 1],
-        data_bytes=8_000_000,
-        val_windows=64,
-        log_every=40,
-        length_multiples=[1, 2, 4],
-        length_tokens=8192,
-        kv_multiples=[1, 4, 16],
-        prescored_windows=16,
-        prescored={"scorings": ["kmeans", "kmedian", "leverage"], "top_k": [16, 32, 64, 96], "options": _PRESCORED},
-        prescored_claim_top_k=64,
-    ),
-    "quick": dict(
-        _SHAPE,
-        name="quick",
-        d_model=64,
-        n_heads=2,
-        d_ff=172,
-        batch_size=8,
-        steps=60,
-        warmup_steps=10,
-        seeds=[0, 1],
-        data_bytes=3_000_000,
-        val_windows=32,
-        log_every=10,
-        length_multiples=[1, 2, 4],
-        length_tokens=4096,
-        kv_multiples=[1, 4, 16],
-        prescored_windows=8,
-        prescored={"scorings": ["kmeans", "kmedian", "leverage"], "top_k": [16, 32, 64, 96], "options": _PRESCORED},
-        prescored_claim_top_k=64,
-    ),
-}
+_FULL = dict(
+    _SHAPE, name="full", d_model=128, n_heads=4, d_ff=344, batch_size=8, steps=400, warmup_steps=40, seeds=[0, 1],
+    data_bytes=8_000_000, val_windows=64, log_every=40, length_multiples=[1, 2, 4], length_tokens=8192,
+    kv_multiples=[1, 4, 16], prescored_windows=16,
+    prescored={"scorings": ["kmeans", "kmedian", "leverage"], "top_k": [16, 32, 64, 96], "options": _PRESCORED},
+    prescored_claim_top_k=64,
+)  # fmt: skip
+# --quick: a smaller model, fewer steps and less data; the rest as the full run
+_QUICK = dict(
+    _FULL, name="quick", d_model=64, n_heads=2, d_ff=172, steps=60, warmup_steps=10, data_bytes=3_000_000,
+    val_windows=32, log_every=10, length_tokens=4096, prescored_windows=8,
+)  # fmt: skip
+BUDGETS = {"full": _FULL, "quick": _QUICK}
+
+# a run trained only to be measured: no periodic checkpoints (one kept) or evaluation, no loggers
+MEASUREMENT_RUN = [
+    "checkpoint.every=0",
+    "checkpoint.keep=1",
+    "eval.every=0",
+    "eval.batches=2",
+    "log.tensorboard=false",
+    "log.wandb=disabled",
+    "log.console=false",
+]
 
 
 def common_overrides(budget: dict, data_path: Path, cache_dir: str) -> list[str]:
@@ -120,13 +102,7 @@ def common_overrides(budget: dict, data_path: Path, cache_dir: str) -> list[str]
         "train.weight_decay=0.1",
         "train.grad_clip=1.0",
         f"train.log_every={b['log_every']}",
-        "checkpoint.every=0",
-        "checkpoint.keep=1",
-        "eval.every=0",
-        "eval.batches=2",
-        "log.tensorboard=false",
-        "log.wandb=disabled",
-        "log.console=false",
+        *MEASUREMENT_RUN,
     ]
     return out + ([f"data.cache_dir={cache_dir}"] if cache_dir else [])
 

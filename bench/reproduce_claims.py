@@ -11,6 +11,7 @@ did not run says ``not measured``.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 HOLDS, FAILS, UNSURE, MISSING = "holds", "does not hold", "inconclusive at this scale", "not measured"
@@ -114,225 +115,223 @@ def _prescored(scoring: str, top_k: int, key: str = "loss") -> Callable[[dict], 
     return get
 
 
-def focus_rows(res: Results, budget: dict) -> list[dict]:
+Arm = tuple[str, str, Callable[[dict], Any]]  # (arm label, name shown, getter)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """``lower`` is claimed below ``higher``; ``spec`` and ``unit`` format the figures (see ``row``)."""
+
+    text: str
+    paper: str
+    lower: Arm
+    higher: Arm
+    spec: str = ".3f"
+    unit: str = ""
+
+
+def _loss(label: str, name: str) -> Arm:
+    """Arm ``label``'s validation loss, shown as ``name``."""
+    return (label, name, _val)
+
+
+FULL, LOCAL, FOCUS = _loss("full", "full"), _loss("local_window", "local w=32"), _loss("focus", "Focus K=8")
+K4_SOFT = _loss("focus_k4", "soft")
+
+
+def _k4(name: str, k: int) -> Arm:
+    """Focus K = 4 evaluated with top-k = ``k`` hard inference."""
+    return ("focus_k4", name, _topk(k))
+
+
+def _vs_full(label: str, name: str, get: Callable[[dict], Any]) -> tuple[Arm, Arm]:
+    """Arm ``label`` (shown as ``name``) and full attention, measured alike."""
+    return (label, name, get), ("full", "full", get)
+
+
+def focus_claims(budget: dict) -> list[Claim]:
     return [
-        row(
-            "Focus",
+        Claim(
             "Softmax assignment collapses into one group; Sinkhorn keeps groups balanced "
             "(largest group's share of tokens at the end of training, K = 8, uniform 12.5%)",
             "tables 19 / 21: softmax 97-98% (step 600-800), 99.4% after fine-tuning all; Sinkhorn 15.9%",
-            res,
             ("focus", "Sinkhorn", _last_share),
             ("focus_softmax", "softmax", _last_share),
             spec=".1f",
             unit="%",
         ),
-        row(
-            "Focus",
+        Claim(
             "A local-window-only model is worse than full attention (validation loss)",
             "table 16 (section 3.5), GPT-2 124M: local 36.0 vs full 31.4 PPL",
-            res,
-            ("full", "full", _val),
-            ("local_window", "local w=32", _val),
+            FULL,
+            LOCAL,
         ),
-        row(
-            "Focus",
+        Claim(
             "Focus trained from scratch matches or beats full attention (validation loss)",
             "table 16: Focus 30.3 vs full 31.4 PPL (124M); section 3.6 from scratch: 153.9 vs 159.1",
-            res,
-            ("focus", "Focus K=8", _val),
-            ("full", "full", _val),
+            FOCUS,
+            FULL,
         ),
-        row(
-            "Focus",
+        Claim(
             "Focus beats the local-window-only model (validation loss)",
             "table 16: Focus 30.3 vs local 36.0 PPL (124M)",
-            res,
-            ("focus", "Focus K=8", _val),
-            ("local_window", "local w=32", _val),
+            FOCUS,
+            LOCAL,
         ),
-        row(
-            "Focus",
+        Claim(
             "Top-k inference, K = 4: k = 2 is far better than argmax k = 1 (validation loss, hard mode)",
             "table 3, GPT-2 124M: k=1 82.9, k=2 41.3 PPL",
-            res,
-            ("focus_k4", "k=2", _topk(2)),
-            ("focus_k4", "k=1", _topk(1)),
+            _k4("k=2", 2),
+            _k4("k=1", 1),
         ),
-        row(
-            "Focus",
+        Claim(
             "Top-k inference, K = 4: k = 2 is at least as good as k = K = 4 (pruning helps)",
             "table 3, GPT-2 124M: k=2 41.3 vs k=4 47.2 PPL",
-            res,
-            ("focus_k4", "k=2", _topk(2)),
-            ("focus_k4", "k=4", _topk(4)),
+            _k4("k=2", 2),
+            _k4("k=4", 4),
         ),
-        row(
-            "Focus",
+        Claim(
             "Fewer groups train better: K = 2 below K = 8 (validation loss; K = 4 in the details)",
             "appendix C: fine-tuned K=2 29.4 vs K=8 30.0 PPL; table 25: K=4 30.1, K=8 30.3",
-            res,
-            ("focus_k2", "K=2", _val),
-            ("focus", "K=8", _val),
+            _loss("focus_k2", "K=2"),
+            _loss("focus", "K=8"),
         ),
-        row(
-            "Focus",
+        Claim(
             "Smaller windows are better: w = 16 below w = 64 (validation loss; w = 32 in the details)",
             "appendix C (K=2, centroid-only): w=16 33.8, w=64 34.1, w=512 37.5 PPL",
-            res,
-            ("focus_w16", "w=16", _val),
-            ("focus_w64", "w=64", _val),
+            _loss("focus_w16", "w=16"),
+            _loss("focus_w64", "w=64"),
         ),
-        row(
-            "Focus",
+        Claim(
             "Soft-to-hard gap: argmax (k = 1) hard inference is worse than soft gating (K = 4)",
             "E.4.8: soft 85.1 -> hard 122.5 PPL; table 28 (fixed lambda): 41.9 -> 129.4",
-            res,
-            ("focus_k4", "soft", _val),
-            ("focus_k4", "hard k=1", _topk(1)),
+            K4_SOFT,
+            _k4("hard k=1", 1),
         ),
-        row(
-            "Focus",
+        Claim(
             "Top-k = 2 membership closes the soft-to-hard gap: hard k = 2 no worse than soft (K = 4)",
             "E.4.8 / table 3: top-k=2 41.3 vs soft 42.9 PPL",
-            res,
-            ("focus_k4", "hard k=2", _topk(2)),
-            ("focus_k4", "soft", _val),
+            _k4("hard k=2", 2),
+            K4_SOFT,
         ),
     ]
 
 
-def lazy_rows(res: Results, budget: dict) -> list[dict]:
+def lazy_claims(budget: dict) -> list[Claim]:
     return [
-        row(
-            "Lazy",
+        Claim(
             "Elastic-Softmax removes the attention sink (sink ratio: mean weight on the first token, %)",
             "table 2: softmax 5.46 -> Lazy (tau/seq_len, tau0 = 1) 0.18",
-            res,
-            ("lazy", "Lazy", lambda r: 100 * r["attn_stats"]["sink_ratio"]),
-            ("full", "full", lambda r: 100 * r["attn_stats"]["sink_ratio"]),
+            *_vs_full("lazy", "Lazy", lambda r: 100 * r["attn_stats"]["sink_ratio"]),
             spec=".2f",
         ),
-        row(
-            "Lazy",
+        Claim(
             "Elastic-Softmax makes attention sparser (density: mean weight on the other tokens, %)",
             "table 2: softmax 94.53 -> Lazy 40.24",
-            res,
-            ("lazy", "Lazy", lambda r: 100 * r["attn_stats"]["density"]),
-            ("full", "full", lambda r: 100 * r["attn_stats"]["density"]),
+            *_vs_full("lazy", "Lazy", lambda r: 100 * r["attn_stats"]["density"]),
             spec=".2f",
         ),
-        row(
-            "Lazy",
+        Claim(
             f"Smaller loss rise from 1x to {budget['length_multiples'][-1]}x the training length "
             f"({budget['seq_len']} tokens; loss at the longest minus loss at 1x, nats)",
             "figure 6 (trained at 512, tested at 1024 and 2048): Lazy's perplexity rises less than the "
             "Transformer's (plot only; the text gives no numbers)",
-            res,
-            ("lazy", "Lazy", _length_rise),
-            ("full", "full", _length_rise),
+            *_vs_full("lazy", "Lazy", _length_rise),
         ),
     ]
 
 
-def focal_rows(res: Results, budget: dict) -> list[dict]:
+def focal_claims(budget: dict) -> list[Claim]:
+    t1 = _loss("full", "t=1")
     return [
-        row(
-            "Focal",
+        Claim(
             "A sharper softmax, t = 0.4, beats t = 1 (standard attention) (validation loss)",
             "section 5.1 (2.7B, 26B tokens): every t < 1 beats t = 1, t = 0.4 best (downstream average); "
             "section 4.1: lower validation loss at every size",
-            res,
-            ("focal_t0.4", "t=0.4", _val),
-            ("full", "t=1", _val),
+            _loss("focal_t0.4", "t=0.4"),
+            t1,
         ),
-        row(
-            "Focal",
+        Claim(
             "The learned temperature beats t = 1 (validation loss)",
             "section 4.1 (figures 2-4): both variants below the baseline's validation loss; "
             "table 1: learned 56.71 vs baseline 55.83 average accuracy",
-            res,
-            ("focal_learned", "learned", _val),
-            ("full", "t=1", _val),
+            _loss("focal_learned", "learned"),
+            t1,
         ),
     ]
 
 
-def dga_rows(res: Results, budget: dict) -> list[dict]:
+def dga_claims(budget: dict) -> list[Claim]:
     return [
-        row(
-            "DGA",
+        Claim(
             "Grouping costs some validation loss against full attention (gamma = 0.1, m = 8)",
             "tables 4-6: PPL 3.59 at gamma = 0.1, m = 16; falls towards full attention as gamma -> 0.9 (3.20) "
             "or m -> 4 (3.20)",
-            res,
-            ("full", "full", _val),
-            ("dga", "DGA", _val),
+            FULL,
+            _loss("dga", "DGA"),
         ),
-        row(
-            "DGA",
+        Claim(
             "More focal tokens lower the loss: gamma = 0.5 below gamma = 0.1",
             "table 6: gamma 0.1 -> 0.5: PPL 3.59 -> 3.27",
-            res,
-            ("dga_g0.5", "gamma=0.5", _val),
-            ("dga", "gamma=0.1", _val),
+            _loss("dga_g0.5", "gamma=0.5"),
+            _loss("dga", "gamma=0.1"),
         ),
-        row(
-            "DGA",
+        Claim(
             "Smaller KV cache at the largest context measured (KiB, all layers, after prefill + 1 decode)",
             "appendix E: O(r + (L - r)/m + m) entries against O(L) for full attention",
-            res,
-            ("dga", "DGA", _kv_last),
-            ("full", "full", _kv_last),
+            *_vs_full("dga", "DGA", _kv_last),
             spec=".0f",
             unit=" KiB",
         ),
     ]
 
 
-def prescored_rows(res: Results, budget: dict) -> list[dict]:
+def prescored_claims(budget: dict) -> list[Claim]:
     k = budget["prescored_claim_top_k"]
-    rows = [
-        row(
-            "Pre-scored HyperAttention",
-            f"{name} pre-scoring (top_k = {k} of {budget['seq_len']} keys) beats plain HyperAttention "
-            "(validation loss, swapped in at inference)",
-            f"appendix A (ChatGLM2-6B-32k, LongBench, 256 samples): plain 17.54 -> {name} {paper} PPL at top-k 2048",
-            res,
-            ("full", name, _prescored(scoring, k)),
-            ("full", "plain", _prescored("plain", 0)),
-        )
-        for scoring, name, paper in (("kmeans", "k-means", "10.38"), ("kmedian", "k-median", "10.44"))
-    ]
-    rows.append(
-        row(
-            "Pre-scored HyperAttention",
+    small, large = budget["prescored"]["top_k"][0], budget["prescored"]["top_k"][-1]
+    return [
+        *(
+            Claim(
+                f"{name} pre-scoring (top_k = {k} of {budget['seq_len']} keys) beats plain HyperAttention "
+                "(validation loss, swapped in at inference)",
+                "appendix A (ChatGLM2-6B-32k, LongBench, 256 samples): "
+                f"plain 17.54 -> {name} {paper} PPL at top-k 2048",
+                ("full", name, _prescored(scoring, k)),
+                ("full", "plain", _prescored("plain", 0)),
+            )
+            for scoring, name, paper in (("kmeans", "k-means", "10.38"), ("kmedian", "k-median", "10.44"))
+        ),
+        Claim(
             f"Clustering beats leverage scores: k-means below leverage (top_k = {k}, validation loss)",
             "appendix A: k-means 10.38 vs leverage 11.42 PPL (top-k 2048); ViT-L/16 top-128: 84.46% vs 77.17%",
-            res,
             ("full", "k-means", _prescored("kmeans", k)),
             ("full", "leverage", _prescored("leverage", k)),
-        )
-    )
-    small, large = budget["prescored"]["top_k"][0], budget["prescored"]["top_k"][-1]
-    rows.append(
-        row(
-            "Pre-scored HyperAttention",
+        ),
+        Claim(
             f"Keeping more keys lowers the attention output error (k-means, top_k {large} vs {small}; relative "
             "Frobenius error against exact attention, mean over layers)",
             "section 4.4 / figure 5 (ViT-B/16): heavy-entry coverage rises with the sampled keys (32 -> 128)",
-            res,
             ("full", f"top_k={large}", _prescored("kmeans", large, "error")),
             ("full", f"top_k={small}", _prescored("kmeans", small, "error")),
-        )
-    )
+        ),
+    ]
+
+
+def claim_rows(group: str, claims: Callable[[dict], list[Claim]]) -> Callable[[Results, dict], list[dict]]:
+    """The rows of ``claims(budget)`` for one group, each compared on ``results``."""
+
+    def rows(results: Results, budget: dict) -> list[dict]:
+        return [
+            row(group, c.text, c.paper, results, c.lower, c.higher, spec=c.spec, unit=c.unit) for c in claims(budget)
+        ]
+
     return rows
 
 
 GROUPS: dict[str, Callable[[Results, dict], list[dict]]] = {
-    "focus": focus_rows,
-    "lazy": lazy_rows,
-    "focal": focal_rows,
-    "dga": dga_rows,
-    "prescored_hyper": prescored_rows,
+    "focus": claim_rows("Focus", focus_claims),
+    "lazy": claim_rows("Lazy", lazy_claims),
+    "focal": claim_rows("Focal", focal_claims),
+    "dga": claim_rows("DGA", dga_claims),
+    "prescored_hyper": claim_rows("Pre-scored HyperAttention", prescored_claims),
 }

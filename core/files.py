@@ -3,7 +3,10 @@ rename it over the target (atomic on POSIX), and fsync directories whose entries
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -16,6 +19,23 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     finally:
         tmp.unlink(missing_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def atomic_directory(out: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of ``out`` (parents made) for the block to fill; when the block succeeds it replaces
+    ``out``, which must be absent or an empty directory, and on any error it is removed."""
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        if out.exists():
+            out.rmdir()  # empty (rename() cannot replace a directory that is not)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def fsync_dir(path: str | Path) -> None:

@@ -44,30 +44,23 @@ HUB_SOURCES: dict[str, HubSource] = {
     s.name: s
     for s in (
         HubSource(
-            "slimpajama",
-            "cerebras/SlimPajama-627B",
-            splits=("train", "validation", "test"),
+            "slimpajama", "cerebras/SlimPajama-627B", splits=("train", "validation", "test"),
             meta_field="meta.redpajama_set_name",
             mirror_layout="<split>/chunk<k>/example_<train|holdout>_<i>.jsonl.zst",
         ),
         HubSource(
-            "fineweb-edu",
-            "HuggingFaceFW/fineweb-edu",
-            configs=("sample-10BT", "sample-100BT", "sample-350BT", "default"),
-            default_config="sample-10BT",
+            "fineweb-edu", "HuggingFaceFW/fineweb-edu",
+            configs=("sample-10BT", "sample-100BT", "sample-350BT", "default"), default_config="sample-10BT",
             meta_field="dump",
             mirror_layout="README.md (configs) + data/<dump>/*.parquet and sample/<10BT|100BT|350BT>/*.parquet",
         ),
         HubSource("openwebtext", "Skylion007/openwebtext", mirror_layout="plain_text/train-*.parquet"),
         HubSource(
-            "pg19",
-            "deepmind/pg19",
-            splits=("train", "validation", "test"),
-            meta_field="short_book_title",
+            "pg19", "deepmind/pg19", splits=("train", "validation", "test"), meta_field="short_book_title",
             mirror_layout="data/<split>-*.parquet",
         ),
     )
-}
+}  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -209,6 +209,9 @@ def lm_eval_tasks() -> tuple[str, ...]:
     return tuple(LOCAL_TASKS)
 
 
+GRID_TASKS = "needle / kv_retrieval / rag"  # the tasks run over a grid of prompt lengths x depths
+
+
 def _build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m eval.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -227,12 +230,10 @@ def _build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--context-lengths",
         default="",
-        help="needle / kv_retrieval / rag: prompt lengths in tokens (default: 1/4, 1/2 and all of the context)",
+        help=f"{GRID_TASKS}: prompt lengths in tokens (default: 1/4, 1/2 and all of the context)",
     )
-    p.add_argument(
-        "--depths", default="0,0.5,1", help="needle / kv_retrieval / rag: depth fractions of the needle / gold item"
-    )
-    p.add_argument("--samples", type=int, default=1, help="needle / kv_retrieval / rag: samples per length x depth")
+    p.add_argument("--depths", default="0,0.5,1", help=f"{GRID_TASKS}: depth fractions of the needle / gold item")
+    p.add_argument("--samples", type=int, default=1, help=f"{GRID_TASKS}: samples per length x depth")
     p.add_argument("--needle-kind", default="single", help="needle: single, multikey, multivalue or multiquery")
     p.add_argument("--haystack", default="noise", help="needle: noise (no data) or essay (--haystack-dir)")
     p.add_argument("--haystack-dir", default=None, help="needle: folder of .txt essays (e.g. Paul Graham's)")

@@ -22,7 +22,6 @@ import argparse
 import hashlib
 import json
 import os
-import shutil
 import sys
 import time
 from collections.abc import Collection
@@ -35,6 +34,7 @@ import tomllib
 import torch
 
 from core.errors import ConfigError
+from core.files import atomic_directory
 from run import checkpoint as ckpt
 
 FORMAT = "focused-pretrain/variant-parameters/1"
@@ -211,10 +211,7 @@ def apply_adapter(base: str | Path, adapter_file: str | Path, out: str | Path, *
         detail = f"lacks {', '.join(missing[:3])}" if missing else str(exc).splitlines()[-1].strip()[:160]
         raise ConfigError(f"--adapter: {adapter.path.name} does not complete --base's model ({detail})") from None
 
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_directory(out) as tmp:
         save_model(model, str(tmp / ckpt.MODEL_FILE))
         load_tokenizer(ckpt.tokenizer_file(path)).save(tmp)
         tokenizer = load_tokenizer(ckpt.tokenizer_file(tmp)).fingerprint  # what data.tokenizer = out loads
@@ -231,12 +228,6 @@ def apply_adapter(base: str | Path, adapter_file: str | Path, out: str | Path, *
         torch.save(trainer_state, tmp / ckpt.TRAINER_STATE)
         meta = {"step": int(state["step"]), "time": time.time(), "base": str(path), "adapter": str(adapter.path)}
         (tmp / ckpt.META).write_text(json.dumps(meta, indent=2) + "\n")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     n = sum(t.numel() for t in adapter.tensors.values())
     log(
         f"applied {adapter.path} ({len(adapter.tensors)} tensors, {n:,} parameters, {adapter.attention['kind']}) "

@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
 import torch
 
 from core.errors import ConfigError
+from core.files import atomic_directory
 from pretrain import checkpoint as ckpt
 from run.checkpoint import verify_checkpoint
 
@@ -108,11 +108,7 @@ def export_hf(
         cfg, eos_id=eos, bos_id=bos, dtype=hf.DTYPE_NAMES[hf.DTYPES[dtype]], allow_variant=allow_variant
     )
     weights = hf.cast(hf.to_hf_state_dict(consolidated_weights(path), cfg), hf.DTYPES[dtype])
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(out) as tmp:
         files = hf.save_hf_weights(weights, tmp, max_shard_size=max_shard_size)
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(hf.generation_config(eos, bos), indent=2) + "\n")
@@ -133,12 +129,6 @@ def export_hf(
                         else ""
                     )
                     log(f"warning: tokenizer: AutoTokenizer encodes differently from {tok.file_name} ({problem}){hint}")
-        if out.exists():
-            out.rmdir()  # empty (checked above)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     arch = config["architectures"][0]
     log(f"exported {path} -> {out} ({arch}, {config['dtype']}; {', '.join(files)})")
     if cfg.attention.kind != "full":

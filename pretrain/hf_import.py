@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import time
@@ -34,6 +33,7 @@ import torch
 
 from core import configlib
 from core.errors import ConfigError, cli_errors
+from core.files import atomic_directory
 
 IMPORT_DIR = "hf_import"
 
@@ -115,18 +115,10 @@ def import_hf(
             f"hf: the weights do not fit the config ({str(exc).splitlines()[-1].strip()[:200]})"
         ) from None
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".{IMPORT_DIR}.tmp{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_directory(import_dir) as tmp:  # run_dir made too
         save_model(model, str(tmp / "model.safetensors"))
         tok.save(tmp)
         shutil.copyfile(hf_path / "config.json", tmp / "hf_config.json")
-        os.replace(tmp, import_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     try:
         cfg = run_config(cfg_model, run_dir, import_dir, base_config=base_config, overrides=overrides)
         fingerprint = load_tokenizer(import_dir).fingerprint  # what the run will load as data.tokenizer

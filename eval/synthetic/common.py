@@ -12,6 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from core.errors import ConfigError, check_min, check_range
 from eval.generation import Generator
@@ -97,129 +98,22 @@ RAG_PASSAGE = "Document (Title: {title}): {text}"
 RAG_DEMO = "{documents}\n\nQuestion: {question}\nAnswer: {answer}"
 
 # Stand-ins for RULER's wonderwords adjective-noun keys (that list is not shipped offline).
-_ADJECTIVES = (
-    "ancient",
-    "bitter",
-    "brave",
-    "bright",
-    "broad",
-    "calm",
-    "clever",
-    "cold",
-    "curious",
-    "damp",
-    "dark",
-    "eager",
-    "early",
-    "empty",
-    "fancy",
-    "fierce",
-    "gentle",
-    "giant",
-    "golden",
-    "grumpy",
-    "hidden",
-    "hollow",
-    "humble",
-    "icy",
-    "jolly",
-    "kind",
-    "lazy",
-    "little",
-    "lively",
-    "loud",
-    "lucky",
-    "mellow",
-    "misty",
-    "narrow",
-    "noisy",
-    "odd",
-    "pale",
-    "plain",
-    "proud",
-    "quick",
-    "quiet",
-    "rapid",
-    "rough",
-    "rusty",
-    "shiny",
-    "silent",
-    "silly",
-    "sleepy",
-    "smooth",
-    "spicy",
-    "steep",
-    "sticky",
-    "swift",
-    "tame",
-    "tiny",
-    "vast",
-    "wicked",
-    "wild",
-    "witty",
-    "young",
+_ADJECTIVES = tuple(
+    (
+        "ancient bitter brave bright broad calm clever cold curious damp dark eager early empty fancy fierce "
+        "gentle giant golden grumpy hidden hollow humble icy jolly kind lazy little lively loud lucky mellow "
+        "misty narrow noisy odd pale plain proud quick quiet rapid rough rusty shiny silent silly sleepy "
+        "smooth spicy steep sticky swift tame tiny vast wicked wild witty young"
+    ).split()
 )
-_NOUNS = (
-    "anchor",
-    "apple",
-    "badger",
-    "basket",
-    "beacon",
-    "blanket",
-    "bottle",
-    "bridge",
-    "candle",
-    "canyon",
-    "castle",
-    "cherry",
-    "cloud",
-    "comet",
-    "copper",
-    "cottage",
-    "crayon",
-    "desert",
-    "dragon",
-    "engine",
-    "falcon",
-    "feather",
-    "forest",
-    "garden",
-    "glacier",
-    "hammer",
-    "harbor",
-    "helmet",
-    "island",
-    "jacket",
-    "kettle",
-    "ladder",
-    "lantern",
-    "lemon",
-    "marble",
-    "meadow",
-    "mirror",
-    "needle",
-    "orchard",
-    "otter",
-    "pepper",
-    "pillow",
-    "planet",
-    "pocket",
-    "puzzle",
-    "quarry",
-    "rabbit",
-    "ribbon",
-    "saddle",
-    "shadow",
-    "spider",
-    "statue",
-    "teapot",
-    "thunder",
-    "tunnel",
-    "valley",
-    "velvet",
-    "violin",
-    "wagon",
-    "walrus",
+_NOUNS = tuple(
+    (
+        "anchor apple badger basket beacon blanket bottle bridge candle canyon castle cherry cloud comet "
+        "copper cottage crayon desert dragon engine falcon feather forest garden glacier hammer harbor helmet "
+        "island jacket kettle ladder lantern lemon marble meadow mirror needle orchard otter pepper pillow "
+        "planet pocket puzzle quarry rabbit ribbon saddle shadow spider statue teapot thunder tunnel valley "
+        "velvet violin wagon walrus"
+    ).split()
 )
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -263,10 +157,16 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
     return out
 
 
-def _check_common(samples: int, max_new_tokens: int, shots: int = 0) -> None:
+def _check_common(
+    lengths: Sequence[int], depths: Sequence[float], samples: int, max_new_tokens: int, shots: int = 0
+) -> tuple[list[int], list[float]]:
+    """The options every task shares, checked; returns the grid (lengths, depths) as ``_check_lengths`` and
+    ``_check_depths`` give it."""
+    lengths, depths = _check_lengths(lengths, None), _check_depths(depths)
     check_min("--samples", samples, 1)
     check_min("--max-new-tokens", max_new_tokens, 1)
     check_min("--shots", shots, 0)
+    return lengths, depths
 
 
 # ------------------------------------------------------------------ sizing
@@ -370,6 +270,47 @@ def _shrink(
         n -= 1
 
 
+class Case(NamedTuple):
+    """One sample of a task: its prompt with ``n`` filler units and the gold item at ``depth``, its gold answers,
+    and the most filler units its data holds (None: no limit)."""
+
+    build: Callable[[int, float], str]
+    answers: tuple[str, ...]
+    limit: int | None = None
+
+
+def fitted_samples(
+    task: str, encode: Encode, lengths: Sequence[int], depths: Sequence[float], cases: Sequence[Case], *,
+    what: str, metric: str, new: int, data_file: str | Path | None = None, unit: str = "",
+) -> list[Sample]:  # fmt: skip
+    """A ``Sample`` per (length, case, depth), sorted by (length, depth) (stable: cases stay in order within a cell).
+    At each length a case's filler is fitted to ``length - new`` tokens at the first depth (``_fit``, then
+    ``_check_filled`` for ``unit`` of ``data_file``) and shrunk from there at the others; ``by_length`` skips a
+    length too short for the task (``what``)."""
+
+    def at(length: int) -> list[Sample]:
+        out: list[Sample] = []
+        budget = length - new
+        for case in cases:
+            fill = None
+            for depth in depths:
+
+                def build(n: int, case: Case = case, depth: float = depth) -> str:
+                    return case.build(n, depth)
+
+                if fill is None:
+                    text, tokens, fill = _fit(
+                        build, encode, budget, limit=case.limit, what=what, length=length, new=new
+                    )
+                    _check_filled(fill, case.limit, tokens, budget, data_file, unit, length)
+                else:
+                    text, tokens, _ = _shrink(build, encode, budget, fill, what=what, length=length, new=new)
+                out.append(Sample(task, length, depth, text, case.answers, metric, tokens))
+        return out
+
+    return sorted(by_length(lengths, at), key=lambda s: (s.length, s.depth))
+
+
 def _insert(pieces: Sequence[str], placed: Sequence[tuple[float, str]]) -> list[str]:
     """``pieces`` with each (depth, text) inserted at the boundary nearest ``depth * len(pieces)``."""
     slots = sorted((round(depth * len(pieces)), order, text) for order, (depth, text) in enumerate(placed))
@@ -443,6 +384,17 @@ def _random_key(rng: random.Random, key_type: str) -> str:
 
 
 # ------------------------------------------------------------------ running samples
+
+
+def run_samples(
+    make: Callable[..., list[Sample]], generator: Generator, lengths: Sequence[int] | None, *, max_new_tokens: int,
+    progress: bool, stop: Sequence[str] = (), **options,
+) -> dict:  # fmt: skip
+    """``evaluate_samples`` on ``make(generator.encode, lengths=, max_new_tokens=, **options)`` (a task's samples);
+    ``lengths`` defaults to a quarter, half and all of ``generator.max_context``, and none may exceed it."""
+    lengths = _check_lengths(lengths, generator.max_context)
+    items = make(generator.encode, lengths=lengths, max_new_tokens=max_new_tokens, **options)
+    return evaluate_samples(generator, items, max_new_tokens=max_new_tokens, stop=stop, progress=progress)
 
 
 def evaluate_samples(

@@ -15,20 +15,16 @@ from eval.synthetic.common import (
     KV_DEMO,
     KV_NEW_TOKENS,
     KV_TEMPLATE,
+    Case,
     Encode,
     Sample,
     _check_common,
-    _check_depths,
-    _check_filled,
-    _check_lengths,
-    _fit,
     _Lazy,
     _pick,
     _random_key,
     _read_jsonl,
-    _shrink,
-    by_length,
-    evaluate_samples,
+    fitted_samples,
+    run_samples,
 )
 
 # ------------------------------------------------------------------ HELMET json_kv
@@ -88,10 +84,14 @@ def kv_samples(
     the example's gold pair and records, topped up with the next examples' records for long prompts).
     ``shots`` demonstration pairs (HELMET uses 2) are taken from the object itself.
     """
-    lengths, depths = _check_lengths(lengths, None), _check_depths(depths)
-    _check_common(samples, max_new_tokens, shots)
+    lengths, depths = _check_common(lengths, depths, samples, max_new_tokens, shots)
     task = "json_kv"
-    golds, pools, limits = [], [], []
+
+    def case(gold: tuple[str, str], pairs: Iterator[tuple[str, str]], limit: int | None) -> Case:
+        pool = _Lazy(pairs)
+        return Case(lambda n, depth: _kv_prompt(gold, pool.take(n + shots), depth, shots), (gold[1],), limit)
+
+    cases = []
     if data_file is not None:
         rows = _kv_file(str(data_file))
         for index in _pick(len(rows), samples, f"{seed}:{task}", data_file):
@@ -99,38 +99,15 @@ def kv_samples(
             pairs = _file_pairs(rows, index, gold[0])
             if len(pairs) < shots:
                 raise ConfigError(f"--shots: {shots} exceeds the {len(pairs)} key-value pairs in {data_file}")
-            golds.append(gold)
-            pools.append(_Lazy(iter(pairs)))
-            limits.append(len(pairs) - shots)
+            cases.append(case(gold, iter(pairs), len(pairs) - shots))
     else:
         for i in range(samples):
             rng = random.Random(f"{seed}:{task}:{i}")
-            golds.append((_random_key(rng, "uuids"), _random_key(rng, "uuids")))
-            pools.append(_Lazy(_uuid_pairs(rng)))
-            limits.append(None)
-
-    def at(length: int) -> list[Sample]:
-        out: list[Sample] = []
-        budget = length - max_new_tokens
-        for gold, pool, limit in zip(golds, pools, limits):
-            fill = None
-            for depth in depths:
-
-                def build(n, gold=gold, pool=pool, depth=depth):
-                    return _kv_prompt(gold, pool.take(n + shots), depth, shots)
-
-                if fill is None:
-                    text, tokens, fill = _fit(
-                        build, encode, budget, limit=limit, what=task, length=length, new=max_new_tokens
-                    )
-                    _check_filled(fill, limit, tokens, budget, data_file, "key-value pairs", length)
-                else:
-                    text, tokens, _ = _shrink(build, encode, budget, fill, what=task, length=length, new=max_new_tokens)
-                out.append(Sample(task, length, depth, text, (gold[1],), "substring_exact_match", tokens))
-        return out
-
-    out = by_length(lengths, at)
-    return sorted(out, key=lambda s: (s.length, s.depth))
+            cases.append(case((_random_key(rng, "uuids"), _random_key(rng, "uuids")), _uuid_pairs(rng), None))
+    return fitted_samples(
+        task, encode, lengths, depths, cases, what=task, metric="substring_exact_match", new=max_new_tokens,
+        data_file=data_file, unit="key-value pairs",
+    )  # fmt: skip
 
 
 def run_kv_retrieval(
@@ -139,9 +116,7 @@ def run_kv_retrieval(
     max_new_tokens: int = KV_NEW_TOKENS, progress: bool = True,
 ) -> dict:  # fmt: skip
     """HELMET json_kv over lengths x depths, scored with substring_exact_match of the gold value."""
-    lengths = _check_lengths(lengths, generator.max_context)
-    items = kv_samples(
-        generator.encode, lengths=lengths, depths=depths, data_file=data_file, samples=samples, seed=seed,
-        shots=shots, max_new_tokens=max_new_tokens,
+    return run_samples(
+        kv_samples, generator, lengths, max_new_tokens=max_new_tokens, progress=progress, depths=depths,
+        data_file=data_file, samples=samples, seed=seed, shots=shots,
     )  # fmt: skip
-    return evaluate_samples(generator, items, max_new_tokens=max_new_tokens, progress=progress)

@@ -21,17 +21,14 @@ from eval.synthetic.common import (
     NEEDLE_NEW_TOKENS,
     NIAH_TEMPLATE,
     NOISE,
+    Case,
     Encode,
     Sample,
     _check_common,
-    _check_depths,
-    _check_lengths,
-    _fit,
     _insert,
     _random_key,
-    _shrink,
-    by_length,
-    evaluate_samples,
+    fitted_samples,
+    run_samples,
 )
 
 # ------------------------------------------------------------------ RULER needles
@@ -133,35 +130,20 @@ def needle_samples(
     check_choice("--kind", kind, NEEDLE_KINDS)
     check_choice("--haystack", haystack, HAYSTACKS)
     check_choice("--key-type", key_type, KEY_TYPES)
-    lengths, depths = _check_lengths(lengths, None), _check_depths(depths)
-    _check_common(samples, max_new_tokens)
+    lengths, depths = _check_common(lengths, depths, samples, max_new_tokens)
     if haystack == "essay" and haystack_dir is None:
         raise ConfigError("--haystack-dir: required with --haystack essay (a folder of .txt essays)")
     words = _essay_words(str(haystack_dir)) if haystack == "essay" else None
     task = f"niah_{kind}"
     needles = [_make_needles(kind, key_type, random.Random(f"{seed}:{task}:{i}")) for i in range(samples)]
 
-    def at(length: int) -> list[Sample]:
-        out: list[Sample] = []
-        budget, what = length - max_new_tokens, f"{task} ({haystack} haystack)"
-        for nd in needles:
-            fill = None
-            for depth in depths:
+    def case(nd: _Needles) -> Case:
+        return Case(lambda n, depth: _needle_prompt(nd, _haystack(haystack, words, n, nd.placed(depth))), nd.answers)
 
-                def build(n, nd=nd, depth=depth):
-                    return _needle_prompt(nd, _haystack(haystack, words, n, nd.placed(depth)))
-
-                if fill is None:
-                    text, tokens, fill = _fit(
-                        build, encode, budget, limit=None, what=what, length=length, new=max_new_tokens
-                    )
-                else:
-                    text, tokens, _ = _shrink(build, encode, budget, fill, what=what, length=length, new=max_new_tokens)
-                out.append(Sample(task, length, depth, text, nd.answers, "string_match_all", tokens))
-        return out
-
-    out = by_length(lengths, at)
-    return sorted(out, key=lambda s: (s.length, s.depth))  # stable: samples stay in order within a cell
+    return fitted_samples(
+        task, encode, lengths, depths, [case(nd) for nd in needles], what=f"{task} ({haystack} haystack)",
+        metric="string_match_all", new=max_new_tokens,
+    )  # fmt: skip
 
 
 def run_needle(
@@ -171,9 +153,7 @@ def run_needle(
 ) -> dict:  # fmt: skip
     """RULER niah_{kind} over lengths x depths, scored with string_match_all. ``lengths`` defaults to a
     quarter, half and all of ``generator.max_context``; none may exceed it."""
-    lengths = _check_lengths(lengths, generator.max_context)
-    items = needle_samples(
-        generator.encode, kind=kind, haystack=haystack, haystack_dir=haystack_dir, lengths=lengths, depths=depths,
-        samples=samples, seed=seed, key_type=key_type, max_new_tokens=max_new_tokens,
+    return run_samples(
+        needle_samples, generator, lengths, max_new_tokens=max_new_tokens, progress=progress, kind=kind,
+        haystack=haystack, haystack_dir=haystack_dir, depths=depths, samples=samples, seed=seed, key_type=key_type,
     )  # fmt: skip
-    return evaluate_samples(generator, items, max_new_tokens=max_new_tokens, progress=progress)

@@ -18,19 +18,15 @@ from eval.synthetic.common import (
     RAG_NEW_TOKENS,
     RAG_PASSAGE,
     RAG_TEMPLATE,
+    Case,
     Encode,
     Sample,
     _check_common,
-    _check_depths,
-    _check_filled,
-    _check_lengths,
-    _fit,
     _insert,
     _pick,
     _read_jsonl,
-    _shrink,
-    by_length,
-    evaluate_samples,
+    fitted_samples,
+    run_samples,
 )
 
 # ------------------------------------------------------------------ HELMET RAG (NQ-open oracle passages)
@@ -103,15 +99,19 @@ def rag_samples(
 ) -> list[Sample]:  # fmt: skip
     """HELMET-style RAG prompts from the NQ-open oracle file: the question's gold passage at ``depth`` among
     gold passages of other questions (none containing an answer), filling the length; ``shots`` demos."""
-    lengths, depths = _check_lengths(lengths, None), _check_depths(depths)
-    _check_common(samples, max_new_tokens, shots)
+    lengths, depths = _check_common(lengths, depths, samples, max_new_tokens, shots)
     rows = _nq_file(str(data_file))
     task = "rag_nq"
     if len(rows) < shots + 2:
         raise ConfigError(
             f"--data-file: {data_file} holds {len(rows)} usable rows, too few for {shots} shots and distractors"
         )
-    setups = []
+
+    def case(qa: _QA, demos: list[_QA], pool: list[_QA]) -> Case:
+        ends = list(itertools.accumulate(len(p.words) for p in pool))
+        return Case(lambda n, depth: _rag_prompt(qa, demos, pool, ends, n, depth), qa.answers, ends[-1] if ends else 0)
+
+    cases = []
     for i, index in enumerate(_pick(len(rows), samples, f"{seed}:{task}", data_file)):
         qa, rng = rows[index], random.Random(f"{seed}:{task}:{i}")
         others = [j for j in range(len(rows)) if j != index]
@@ -123,45 +123,11 @@ def rag_samples(
             if j not in demo_ids and rows[j].text != qa.text and not any(a in rows[j].norm for a in answers)
         ]
         rng.shuffle(pool)
-        setups.append((qa, [rows[j] for j in demo_ids], pool, list(itertools.accumulate(len(p.words) for p in pool))))
-
-    def at(length: int) -> list[Sample]:
-        out: list[Sample] = []
-        budget = length - max_new_tokens
-        for qa, demos, pool, ends in setups:
-            limit = ends[-1] if ends else 0
-            fill = None
-            for depth in depths:
-
-                def build(n, qa=qa, demos=demos, pool=pool, ends=ends, depth=depth):
-                    return _rag_prompt(qa, demos, pool, ends, n, depth)
-
-                if fill is None:
-                    text, tokens, fill = _fit(
-                        build,
-                        encode,
-                        budget,
-                        limit=limit,
-                        what=f"{task} with {shots} shots",
-                        length=length,
-                        new=max_new_tokens,
-                    )
-                    _check_filled(fill, limit, tokens, budget, data_file, "distractor passages", length)
-                else:
-                    text, tokens, _ = _shrink(
-                        build,
-                        encode,
-                        budget,
-                        fill,
-                        what=f"{task} with {shots} shots",
-                        length=length,
-                        new=max_new_tokens,
-                    )
-                out.append(Sample(task, length, depth, text, qa.answers, "substring_exact_match", tokens))
-        return out
-
-    out = by_length(lengths, at)
-    return sorted(out, key=lambda s: (s.length, s.depth))
+        cases.append(case(qa, [rows[j] for j in demo_ids], pool))
+    return fitted_samples(
+        task, encode, lengths, depths, cases, what=f"{task} with {shots} shots", metric="substring_exact_match",
+        new=max_new_tokens, data_file=data_file, unit="distractor passages",
+    )  # fmt: skip
 
 
 def run_rag(
@@ -171,9 +137,7 @@ def run_rag(
 ) -> dict:  # fmt: skip
     """HELMET-style RAG on NQ-open over lengths x depths (gold passage depth), substring_exact_match of any answer.
     Generation stops at the first newline, as HELMET does for RAG."""
-    lengths = _check_lengths(lengths, generator.max_context)
-    items = rag_samples(
-        generator.encode, data_file=data_file, lengths=lengths, depths=depths, samples=samples, seed=seed,
-        shots=shots, max_new_tokens=max_new_tokens,
+    return run_samples(
+        rag_samples, generator, lengths, max_new_tokens=max_new_tokens, progress=progress, stop=("\n",),
+        data_file=data_file, depths=depths, samples=samples, seed=seed, shots=shots,
     )  # fmt: skip
-    return evaluate_samples(generator, items, max_new_tokens=max_new_tokens, stop=("\n",), progress=progress)

@@ -148,37 +148,13 @@ def _local(task: str, data_dir: str | None = None, **_metadata) -> datasets.Data
     return local_dataset(task, data_dir)
 
 
-def hellaswag_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("hellaswag", **kwargs)
-
-
-def arc_easy_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("arc_easy", **kwargs)
-
-
-def arc_challenge_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("arc_challenge", **kwargs)
-
-
-def piqa_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("piqa", **kwargs)
-
-
-def winogrande_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("winogrande", **kwargs)
-
-
-def boolq_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("boolq", **kwargs)
-
-
-def social_iqa_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("social_iqa", **kwargs)
-
-
-def lambada_openai_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("lambada_openai", **kwargs)
-
-
-def wikitext_dataset(**kwargs) -> datasets.DatasetDict:
-    return _local("wikitext", **kwargs)
+# ``custom_dataset: !function utils.<task>_dataset`` in each task's YAML
+hellaswag_dataset = functools.partial(_local, "hellaswag")
+arc_easy_dataset = functools.partial(_local, "arc_easy")
+arc_challenge_dataset = functools.partial(_local, "arc_challenge")
+piqa_dataset = functools.partial(_local, "piqa")
+winogrande_dataset = functools.partial(_local, "winogrande")
+boolq_dataset = functools.partial(_local, "boolq")
+social_iqa_dataset = functools.partial(_local, "social_iqa")
+lambada_openai_dataset = functools.partial(_local, "lambada_openai")
+wikitext_dataset = functools.partial(_local, "wikitext")

@@ -21,9 +21,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from core.errors import ConfigError
-from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import MicroStepOut
-from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine
+from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine, check_written_by
 
 if TYPE_CHECKING:
     from run.config import TrainConfig
@@ -130,8 +129,6 @@ class DeepSpeedEngine(DataParallelEngine):
         self.ds.save_checkpoint(str(directory), tag=DS_TAG, save_latest=False)
         dist.barrier()
         if self.is_main:
-            from safetensors.torch import save_file
-
             stage = self.cfg.options("deepspeed").zero_stage
             full = {}
             if stage > 0:
@@ -141,17 +138,12 @@ class DeepSpeedEngine(DataParallelEngine):
             if stage < 3:  # whole on every rank; ZeRO-1 leaves frozen parameters out of its files (centroid-only runs)
                 own = self.raw_model.state_dict().items()
                 full |= {k: v.detach().float().cpu() for k, v in own if k not in full}
-            save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
-            torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
+            self._write_consolidated(directory, full)
 
     def read_state(self, directory: Path) -> None:
         from run.safe_load import check_deepspeed_files, deepspeed_globals, torch_load, weights_only_loads
 
-        if not (directory / DS_TAG).is_dir():
-            raise ConfigError(
-                f"train.engine: checkpoint {directory} was not written by the deepspeed engine; resume it with the "
-                "engine that wrote it"
-            )
+        check_written_by(directory, DS_TAG, "the deepspeed engine")
         saved = sorted(p.name for p in (directory / DS_TAG).glob("*model_states.pt"))
         if self.cfg.options("deepspeed").zero_stage == 3 and len(saved) != self.world_size:
             raise ConfigError(

@@ -53,6 +53,14 @@ def init_process_group(cfg: TrainConfig) -> torch.device:
     return device
 
 
+def check_written_by(directory: Path, own: str, engine: str) -> None:
+    """A one-line error unless checkpoint ``directory`` holds the folder ``own`` that ``engine`` writes."""
+    if not (directory / own).is_dir():
+        raise ConfigError(
+            f"train.engine: checkpoint {directory} was not written by {engine}; resume it with the engine that wrote it"
+        )
+
+
 class DataParallelEngine(Engine):
     """What DDP and FSDP2 share: collectives, DCP checkpoints, the consolidated weights."""
 
@@ -96,21 +104,21 @@ class DataParallelEngine(Engine):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
         full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            from safetensors.torch import save_file
+            self._write_consolidated(directory, full)
 
-            save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
-            torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
+    def _write_consolidated(self, directory: Path, full: dict[str, Tensor]) -> None:
+        """The main rank's share of a checkpoint: the whole weights ``full`` (``MODEL_FILE``) and the scheduler."""
+        from safetensors.torch import save_file
+
+        save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
+        torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         from run.safe_load import dcp_load, torch_load
 
-        if not (directory / DCP_DIR).is_dir():
-            raise ConfigError(
-                f"train.engine: checkpoint {directory} was not written by a DCP engine (ddp / fsdp2); resume it with "
-                "the engine that wrote it"
-            )
+        check_written_by(directory, DCP_DIR, "a DCP engine (ddp / fsdp2)")
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         restore = _saved_scalars_as_views(state, directory / DCP_DIR)

@@ -20,7 +20,7 @@ from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.transformer import Transformer
-from tests.attention.test_suite import random_inputs
+from tests.attention.test_suite import cache_chunk, random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
 
@@ -116,15 +116,7 @@ def test_hard_decomposition_for_decode_and_chunks():
     )
     for lo, hi in ((39, 40), (20, 33), (0, 7)):
         part = hard_attention(
-            q[:, :, lo:hi],
-            k[:, :, :hi],
-            v[:, :, :hi],
-            bits_q=bits[:, lo:hi],
-            bits_k=bits[:, :hi],
-            q_pos=pos[lo:hi],
-            window=5,
-            scale=0.3,
-            n_groups=n_groups,
+            **cache_chunk(q, k, v, bits, lo, hi), q_pos=pos[lo:hi], window=5, scale=0.3, n_groups=n_groups
         )
         torch.testing.assert_close(part, dense[:, :, lo:hi], atol=1e-13, rtol=0)
 

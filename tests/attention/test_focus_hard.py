@@ -24,19 +24,17 @@ from model.attention import KVCache, LayerSpec, build_attention
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
-from model.attention.focus_hard import (
+from model.attention.focus_hard import cpu_hard_attention
+from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus_hard_flex import (
     FLEX_BLOCK,
-    GroupLists,
     _group_layout,
     band_block_mask_tensors,
-    cpu_decode_hard_attention,
-    cpu_hard_attention,
-    decode_hard_attention,
     flex_hard_attention,
     group_block_mask_tensors,
 )
 from model.attention.group_sparse import hard_mask, membership_bits
-from tests.attention.test_suite import random_inputs
+from tests.attention.test_suite import cache_chunk, random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=1024, layer_idx=0, n_layers=1)
 SCALE = 1 / math.sqrt(8)
@@ -141,17 +139,9 @@ def test_cpu_path_chunked_prefill_and_decode(top_k, split):
         for window in (1, 16, 128):
             full = dense(q, k, v, bits, bits, window)
             for lo, hi in ((299, 300), (120, 121), (250, 300), (100, 300), (3, 170)):
+                chunk = cache_chunk(q, k, v, bits, lo, hi)
                 part = cpu_hard_attention(
-                    q[:, :, lo:hi],
-                    k[:, :, :hi],
-                    v[:, :, :hi],
-                    bits_q=bits[:, lo:hi],
-                    bits_k=bits[:, :hi],
-                    window=window,
-                    scale=SCALE,
-                    n_groups=n_groups,
-                    top_k=top_k,
-                    split=split,
+                    **chunk, window=window, scale=SCALE, n_groups=n_groups, top_k=top_k, split=split
                 )
                 torch.testing.assert_close(part, full[:, :, lo:hi], atol=1e-12, rtol=0, msg=f"{kind} w={window} {lo}")
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from model.attention import LayerSpec, build_attention, registry
-from model.config import ModelConfig
 from model.transformer import Transformer
+from tests.conftest import small_model_config
 
 CASES = [
     pytest.param(name, case, id=f"{name}-{case.name}")
@@ -32,18 +32,7 @@ def variant_config(name, case):
 
 
 def tiny_model(name, case, *, family="llama", impl="auto", dtype=torch.float64, seed=0) -> Transformer:
-    cfg = ModelConfig(
-        family=family,
-        vocab_size=97,
-        max_seq_len=64,
-        d_model=48,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        d_ff=96,
-        bias=family == "gpt2",
-        tie_embeddings=family == "gpt2",
-    )
+    cfg = small_model_config(family, vocab_size=97, max_seq_len=64, d_model=48, n_layers=2, n_kv_heads=2, d_ff=96)
     cfg.attention.kind = name
     cfg.attention.options[name] = variant_config(name, case)
     cfg.attention.impl = impl
@@ -69,6 +58,12 @@ def random_inputs(spec: LayerSpec, b: int, t: int, dtype, seed: int):
     v = torch.randn(b, spec.n_kv_heads, t, spec.head_dim, generator=g, dtype=dtype)
     hidden = torch.randn(b, t, spec.d_model, generator=g, dtype=dtype)
     return q, k, v, hidden
+
+
+def cache_chunk(q, k, v, bits, lo: int, hi: int) -> dict:
+    """Queries lo..hi-1 onto a cache of the keys 0..hi-1 (a prefill chunk, or decode), with their membership bits:
+    the q, k, v, bits_q and bits_k arguments of a hard-attention call."""
+    return dict(q=q[:, :, lo:hi], k=k[:, :, :hi], v=v[:, :, :hi], bits_q=bits[:, lo:hi], bits_k=bits[:, :hi])
 
 
 SPEC = LayerSpec(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=128, layer_idx=0, n_layers=1)

@@ -54,6 +54,13 @@ def run_sequence(nproc: int, runs: dict[str, list[str]], status: Path, *, timeou
     return {name: done.get(name) or f"launch: exit {proc.returncode}\n{why(proc)}" for name in runs}
 
 
+def write_summary(tmp_path_factory, name: str, text: str) -> Path:
+    """``text`` as the file ``name`` under $MATRIX_SUMMARY_DIR, else pytest's base temporary directory."""
+    out = Path(os.environ.get("MATRIX_SUMMARY_DIR") or tmp_path_factory.getbasetemp()) / name
+    out.write_text(text)
+    return out
+
+
 def why(proc: subprocess.CompletedProcess) -> str:
     """Each rank's traceback ([rankN] lines), any fatal-signal stacks (faulthandler) and native
     aborts, then the tail: the first failing rank, not only rank 0, must be visible in CI."""

@@ -15,7 +15,6 @@ temporary directory (or ``$MATRIX_SUMMARY_DIR``).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from launch.presets import CONFIG_DIR, derived_names
 from run.config import derived_config, run_config_from_dict
 from run.engines import ENGINE_SPECS
 from tests.conftest import SHARED
-from tests.e2e.helpers import HAVE_DEEPSPEED, run_sequence, train_rows
+from tests.e2e.helpers import HAVE_DEEPSPEED, run_sequence, train_rows, write_summary
 from tests.e2e.test_train_cli import overrides
 
 STEPS = 2
@@ -156,11 +155,6 @@ def _launch(nproc: int, root: Path, cache_dir: Path) -> dict[str, str]:
     return _launches[nproc]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("launch_configs")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def report(tmp_path_factory):
     yield
@@ -169,8 +163,7 @@ def report(tmp_path_factory):
     lines = ["| combination (variant / engine / precision / recompute / compile / data) | config | result |"]
     lines += ["|---|---|---|"] + [f"| {label} | {COMBINATIONS[label]} | {r} |" for label, r in RESULTS.items()]
     table = "\n".join(lines)
-    out = Path(os.environ.get("MATRIX_SUMMARY_DIR") or tmp_path_factory.getbasetemp())
-    (out / "launch_configs.md").write_text(table + "\n")
+    write_summary(tmp_path_factory, "launch_configs.md", table + "\n")
     print(f"\n{len(COMBINATIONS)} distinct combinations\n{table}")
 
 

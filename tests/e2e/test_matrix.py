@@ -17,7 +17,6 @@ table (variant, engine, worst relative loss difference, resume exact) is written
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ from model.transformer import build_model
 from pretrain.engines import ENGINES
 from run.engines import ENGINE_SPECS
 from tests.conftest import small_model_config
-from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, run_sequence, train_rows, worst_relative
+from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_train_cli import overrides
 
 TOL = 1e-5  # relative
@@ -130,11 +129,6 @@ def _launch(engine: str, root: Path, cache_dir: Path) -> dict[str, str]:
     return _launches[engine]
 
 
-@pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("matrix")
-
-
 @pytest.fixture(scope="module", autouse=True)
 def summary(tmp_path_factory):
     yield SUMMARY
@@ -145,10 +139,10 @@ def summary(tmp_path_factory):
         worst = "failed" if row["worst"] is None else f"{row['worst']:.2e}"
         lines.append(f"| {variant} | {engine} | {worst} | {row['resume']} |")
     table = "\n".join(lines)
-    out = Path(os.environ.get("MATRIX_SUMMARY_DIR") or tmp_path_factory.getbasetemp())
-    (out / "matrix_summary.md").write_text(table + "\n")
-    (out / "matrix_summary.json").write_text(json.dumps({f"{v} x {e}": r for (v, e), r in SUMMARY.items()}, indent=1))
-    print(f"\n{table}\n(written to {out / 'matrix_summary.md'})")
+    md = write_summary(tmp_path_factory, "matrix_summary.md", table + "\n")
+    rows = {f"{v} x {e}": r for (v, e), r in SUMMARY.items()}
+    write_summary(tmp_path_factory, "matrix_summary.json", json.dumps(rows, indent=1))
+    print(f"\n{table}\n(written to {md})")
 
 
 def test_the_matrix_covers_every_trainable_variant_and_engine():

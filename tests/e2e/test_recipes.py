@@ -61,11 +61,6 @@ def _nproc(engine: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def root(tmp_path_factory) -> Path:
-    return tmp_path_factory.mktemp("recipes")
-
-
-@pytest.fixture(scope="module")
 def base(root, cache_dir) -> Path:
     """The pretrained full-attention model the recipes start from (4 single-process steps)."""
     run_dir = root / "base"

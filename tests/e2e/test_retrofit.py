@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.conftest import REPO
+from tests.e2e.test_train_cli import toy_args
 
 CONFIGS = REPO / "launch" / "configs"
 NOVELS = "english_novels/Burnett_*.txt"  # two novels, about 0.75 MB
@@ -25,28 +26,8 @@ NOVELS = "english_novels/Burnett_*.txt"  # two novels, about 0.75 MB
 
 def toy(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
     """--set overrides shrinking a shipped config to seconds (the shapes stay those of one family)."""
-    values = {
-        "run.dir": str(run_dir),
-        "model.d_model": 64,
-        "model.n_layers": 2,
-        "model.n_heads": 4,
-        "model.d_ff": 128,
-        "model.vocab_size": 512,
-        "model.max_seq_len": 64,
-        "data.seq_len": 64,
-        "data.cache_dir": str(cache_dir),
-        "train.batch_size": 4,
-        "train.max_steps": 3,
-        "train.warmup_steps": 1,
-        "train.log_every": 1,
-        "eval.batches": 2,
-        "eval.sample_tokens": 0,
-        **extra,
-    }
-    args = []
-    for key, value in values.items():
-        args += ["--set", f'{key}="{value}"' if isinstance(value, str | Path) else f"{key}={value}"]
-    return args
+    steps = {"train.max_steps": 3, "train.warmup_steps": 1, "train.log_every": 1}
+    return toy_args(run_dir, cache_dir, **{**steps, "eval.batches": 2, "eval.sample_tokens": 0, **extra})
 
 
 def cli(*args: str, ok: bool = True, timeout: int = 600) -> subprocess.CompletedProcess:

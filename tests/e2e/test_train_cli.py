@@ -24,7 +24,10 @@ from tests.conftest import REPO, run_cli
 TINY = REPO / "launch" / "configs" / "tiny.toml"
 
 
-def overrides(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
+def toy_args(run_dir: Path, cache_dir: Path, **values) -> list[str]:
+    """``--set`` arguments: a run in ``run_dir`` of a model shrunk to seconds (64 wide, 2 layers, 64-token sequences,
+    batches of 4) with its token cache in ``cache_dir``, then ``values`` (strings and paths quoted, booleans in
+    lower case)."""
     values = {
         "run.dir": str(run_dir),
         "model.d_model": 64,
@@ -36,26 +39,25 @@ def overrides(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
         "data.seq_len": 64,
         "data.cache_dir": str(cache_dir),
         "train.batch_size": 4,
-        "train.micro_batch_size": 2,
-        "train.max_steps": 40,
-        "train.warmup_steps": 5,
-        "train.log_every": 1,
-        "checkpoint.every": 10,
-        "checkpoint.keep": 3,
-        "eval.every": 20,
-        "eval.batches": 2,
-        "eval.sample_tokens": 8,
-        "log.wandb": "disabled",
-        "log.tensorboard": False,
+        **values,
     }
-    values.update(extra)
     args = []
     for key, value in values.items():
         text = (
-            str(value).lower() if isinstance(value, bool) else (f'"{value}"' if isinstance(value, str) else str(value))
+            str(value).lower()
+            if isinstance(value, bool)
+            else (f'"{value}"' if isinstance(value, str | Path) else str(value))
         )
         args += ["--set", f"{key}={text}"]
     return args
+
+
+def overrides(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
+    """``toy_args`` for 40 steps of micro-batches of 2, checkpoints every 10 steps, evaluation every 20."""
+    steps = {"train.micro_batch_size": 2, "train.max_steps": 40, "train.warmup_steps": 5, "train.log_every": 1}
+    saves = {"checkpoint.every": 10, "checkpoint.keep": 3, "eval.every": 20, "eval.batches": 2, "eval.sample_tokens": 8}
+    logs = {"log.wandb": "disabled", "log.tensorboard": False}
+    return toy_args(run_dir, cache_dir, **{**steps, **saves, **logs, **extra})
 
 
 def train(

@@ -15,6 +15,11 @@ from tests.e2e.test_train_cli import overrides, train
 pytestmark = pytest.mark.slow  # each test runs the CLIs on a trained checkpoint
 
 
+def eval_run(run: Path, out: Path, *args, timeout: int = 300):
+    """``python -m eval.run --run RUN --out OUT ARGS``."""
+    return run_cli("eval.run", "--run", run, "--out", out, *args, timeout=timeout)
+
+
 @pytest.fixture(scope="module")
 def run_with_tasks(tmp_path_factory, cache_dir, shared_data) -> Path:
     run_dir = tmp_path_factory.mktemp("tasks") / "run"
@@ -65,25 +70,10 @@ def test_eval_run_covers_the_suite_and_writes_json_and_plots(run_with_tasks, sha
     ]
     bench.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "results.json"
-    proc = run_cli(
-        "eval.run",
-        "--run",
-        run_with_tasks,
-        "--out",
-        out,
-        "--no-progress",
-        "--tasks",
-        f"hellaswag,lambada_openai,wikitext,needle,kv_retrieval,longbench:{bench}",
-        "--limit",
-        "3",
-        "--data-dir",
-        str(shared_data),
-        "--context-lengths",
-        "640,1024",
-        "--depths",
-        "0,0.5,1",
-        timeout=900,
-    )
+    tasks = f"hellaswag,lambada_openai,wikitext,needle,kv_retrieval,longbench:{bench}"
+    grid = ["--context-lengths", "640,1024", "--depths", "0,0.5,1"]
+    options = ["--no-progress", "--tasks", tasks, "--limit", "3", "--data-dir", shared_data, *grid]
+    proc = eval_run(run_with_tasks, out, *options, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert 0.0 <= results["hellaswag"]["acc_norm"] <= 1.0 and results["wikitext"]["word_perplexity"] > 1.0
@@ -111,23 +101,8 @@ def test_eval_run_scores_a_text_file_with_strided_windows_and_measures_attention
     results = {}
     for stride in (64, 32):
         out = tmp_path / f"ppl{stride}.json"
-        proc = run_cli(
-            "eval.run",
-            "--run",
-            run_with_tasks,
-            "--out",
-            out,
-            "--tasks",
-            "ppl,attention_stats",
-            "--ppl-data",
-            str(text),
-            "--ppl-length",
-            "64",
-            "--ppl-stride",
-            str(stride),
-            "--stats-text",
-            str(text),
-        )
+        ppl = ["--ppl-data", text, "--ppl-length", "64", "--ppl-stride", stride]
+        proc = eval_run(run_with_tasks, out, "--tasks", "ppl,attention_stats", *ppl, "--stats-text", text)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[stride] = json.loads(out.read_text())
     a, b = results[64]["ppl"], results[32]["ppl"]

@@ -1,0 +1,198 @@
+"""Focus hard mode on the GPU: the group part and the band part as two FlexAttention calls, block masks built
+from group counts and cached (see ``focus_hard``'s docstring).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from model.attention.flex import cached_block_mask, flex_attention_fn
+from model.attention.focus_hard_rows import NEG_INF
+
+# ---- GPU: two FlexAttention calls -----------------------------------------------------------------------------------
+FLEX_BLOCK = 128
+
+
+def _group_layout(bits: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
+    """Slots sorted by (group, position): (token index [B, N], group [B, N]), N = top_k * T for every sequence."""
+    member = ((bits[:, None, :] >> torch.arange(n_groups, device=bits.device)[None, :, None]) & 1).bool()  # [B, K, T]
+    nz = member.nonzero()  # sorted by (b, c, t)
+    n = nz.shape[0] // bits.shape[0]
+    nz = nz.view(bits.shape[0], n, 3)
+    return nz[..., 2], nz[..., 1]
+
+
+def group_block_mask_tensors(
+    group_q: Tensor,
+    pos_q: Tensor,
+    group_k: Tensor,
+    pos_k: Tensor,
+    *,
+    n_groups: int,
+    n_positions: int,
+    full_ok: bool,
+    block: int = FLEX_BLOCK,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Block structure of the group call from the group counts: (kv_num_blocks, kv_indices, full_kv_num_blocks,
+    full_kv_indices), shapes [B, 1, nq] and [B, 1, nq, nk].
+
+    Query slot (c, position p) attends key slots of group c with position <= p: the slot range
+    [start_c, start_c + count of c's keys at positions <= p). A query block's key blocks are the span of its slots'
+    ranges; a key block is full when the query block is all one group, the key block lies inside that group's range
+    and precedes the query block's first position (and ``full_ok``: no lowest-shared-group masking). Positions are
+    below ``n_positions``. Tensor work of O(B (N / block)^2) at most; no host synchronisation.
+    """
+    bsz, nq_slots = group_q.shape
+    nk_slots = group_k.shape[1]
+    dev = group_q.device
+    counts_k = torch.zeros(bsz, n_groups, dtype=torch.long, device=dev).scatter_add_(
+        1, group_k, torch.ones_like(group_k)
+    )
+    starts_k = torch.cumsum(counts_k, 1) - counts_k  # [B, K]
+    # keys of group c at positions <= p: the number of c's key slots with pos <= p, by a searchsorted per group
+    slot_start = starts_k.gather(1, group_q)  # [B, Nq]
+    # key slot positions are ascending within a group: search p in the (group, position) order as one key g * P + p
+    big = n_positions
+    key_order = group_k * big + pos_k  # ascending along slots
+    hi = torch.searchsorted(key_order, group_q * big + pos_q, right=True)  # [B, Nq]: one past the last allowed key
+    nq = (nq_slots + block - 1) // block
+    nk = (nk_slots + block - 1) // block
+    pad = nq * block - nq_slots
+
+    def per_block(x: Tensor, fill: int, reduce: str) -> Tensor:
+        x = F.pad(x, (0, pad), value=fill).view(bsz, nq, block)
+        return x.amin(-1) if reduce == "min" else x.amax(-1)
+
+    lo_blk = per_block(slot_start, nk_slots, "min") // block  # [B, nq]
+    hi_blk = (per_block(hi, 0, "max") - 1).clamp(min=0) // block  # last key block touched
+    n_blocks = (hi_blk - lo_blk + 1).clamp(min=0)
+    # full blocks: a single-group query block, key blocks inside its group and before its first position
+    g_first, g_last = per_block(group_q, n_groups, "min"), per_block(group_q, -1, "max")
+    single = (g_first == g_last) & full_ok
+    p_first = per_block(pos_q, big, "min")
+    g = g_first.clamp(max=n_groups - 1)
+    c_start, c_end = starts_k.gather(1, g), (starts_k + counts_k).gather(1, g)  # the group's key slot range
+    # last key slot with position < p_first inside the group: keys of the group at positions <= p_first - 1
+    full_end = torch.searchsorted(key_order, g * big + p_first - 1, right=True)  # [B, nq], exclusive slot bound
+    f_lo = (c_start + block - 1) // block  # first key block wholly inside the group
+    f_hi = torch.minimum(full_end, c_end) // block  # key blocks [f_lo, f_hi) wholly inside and causally complete
+    n_full = torch.where(single, (f_hi - f_lo).clamp(min=0), torch.zeros_like(f_hi))
+    f_lo = torch.where(n_full > 0, f_lo, hi_blk + 1)
+    # partial blocks: [lo_blk, f_lo) then [f_lo + n_full, hi_blk]
+    ar = torch.arange(nk, device=dev)
+    first_run = (f_lo - lo_blk).clamp(min=0)
+    n_partial = (n_blocks - n_full).clamp(min=0)
+    r = ar[None, None, :]
+    partial_idx = torch.where(
+        r < first_run[..., None],
+        lo_blk[..., None] + r,
+        f_lo[..., None] + n_full[..., None] + (r - first_run[..., None]),
+    )
+    partial_idx = torch.where(r < n_partial[..., None], partial_idx, torch.zeros_like(partial_idx)).clamp(max=nk - 1)
+    full_idx = torch.where(r < n_full[..., None], f_lo[..., None] + r, torch.zeros_like(partial_idx)).clamp(max=nk - 1)
+    return (
+        n_partial[:, None].int(),
+        partial_idx[:, None].int(),
+        n_full[:, None].int(),
+        full_idx[:, None].int(),
+    )
+
+
+def band_block_mask_tensors(tq: int, tk: int, window: int, *, block: int = FLEX_BLOCK, device=None):
+    """Block structure of the band call: queries at positions [tk - tq, tk) against keys within ``window`` before
+    them (all partial: the cross-group condition depends on the data). Depends on the shape only."""
+    start = tk - tq
+    nq, nk = (tq + block - 1) // block, (tk + block - 1) // block
+    qb = torch.arange(nq, device=device)
+    first_pos = start + qb * block
+    last_pos = torch.clamp(start + (qb + 1) * block - 1, max=tk - 1)
+    lo = torch.clamp(first_pos - window + 1, min=0) // block
+    hi = last_pos // block
+    n = hi - lo + 1
+    r = torch.arange(nk, device=device)
+    idx = torch.where(r[None, :] < n[:, None], lo[:, None] + r[None, :], torch.zeros_like(r)[None, :]).clamp(max=nk - 1)
+    return n[None, None].int(), idx[None, None].int()
+
+
+def flex_hard_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, window: int, scale: float, n_groups: int,
+    top_k: int, compiled: bool,
+) -> Tensor:  # fmt: skip
+    """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
+    by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask
+
+    bsz, h, tq, d = q.shape
+    tk = k.shape[2]
+    start = tk - tq
+    gqa = k.shape[1] != h
+    attend = flex_attention_fn(compiled)
+    # ---- same group, lowest shared group, causal on original positions, over group-sorted slots ----
+    tok_q, grp_q = _group_layout(bits_q, n_groups)
+    tok_k, grp_k = _group_layout(bits_k, n_groups)
+    pos_q, pos_k = tok_q + start, tok_k
+    sbits_q, sbits_k = bits_q.gather(1, tok_q), bits_k.gather(1, tok_k)
+    lower_q = (torch.ones_like(grp_q) << grp_q) - 1  # groups below the slot's group
+    q_s = q.gather(2, tok_q[:, None, :, None].expand(bsz, h, -1, d))
+    k_s = k.gather(2, tok_k[:, None, :, None].expand(bsz, k.shape[1], -1, d))
+    v_s = v.gather(2, tok_k[:, None, :, None].expand(bsz, v.shape[1], -1, d))
+
+    def same_group(b, hh, qi, kv):
+        keep = (grp_q[b, qi] == grp_k[b, kv]) & (pos_k[b, kv] <= pos_q[b, qi])
+        if top_k > 1:
+            keep = keep & ((sbits_q[b, qi] & sbits_k[b, kv] & lower_q[b, qi]) == 0)
+        return keep
+
+    kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
+        grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=tk, full_ok=top_k == 1
+    )
+    group_mask = BlockMask.from_kv_blocks(
+        kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1])
+    )
+    o_s, aux = attend(
+        q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
+    )
+    lse_s = aux.lse
+    # back to tokens: each query has top_k slots; merge them by logsumexp
+    cdt = torch.promote_types(q.dtype, torch.float32)
+    lse_s = lse_s.to(cdt)
+    idx = tok_q[:, None, :].expand(bsz, h, -1)
+    lse_a = torch.full((bsz, h, tq), NEG_INF, dtype=cdt, device=q.device).scatter_reduce(
+        2, idx, lse_s, "amax", include_self=True
+    )
+    ref_a = lse_a.masked_fill(lse_a == NEG_INF, 0.0)
+    w_s = torch.exp(lse_s - ref_a.gather(2, idx))
+    sum_a = torch.zeros_like(lse_a).scatter_add(2, idx, w_s)
+    o_a = torch.zeros(bsz, h, tq, d, dtype=cdt, device=q.device).scatter_add(
+        2, idx[..., None].expand(-1, -1, -1, d), o_s.to(cdt) * w_s[..., None]
+    )
+    o_a = o_a / sum_a.clamp_min(torch.finfo(cdt).tiny)[..., None]
+    lse_a = torch.where(sum_a > 0, torch.log(sum_a.clamp_min(torch.finfo(cdt).tiny)) + ref_a, lse_a)
+
+    # ---- cross-group band: causal, i - j < window, no shared group, original order ----
+    q_pos = torch.arange(start, tk, device=q.device)
+
+    def band(b, hh, qi, kv):
+        dist = q_pos[qi] - kv
+        return (dist >= 0) & (dist < window) & ((bits_q[b, qi] & bits_k[b, kv]) == 0)
+
+    structure = cached_block_mask(
+        ("focus_band", tq, tk, window, str(q.device)),
+        lambda: BlockMask.from_kv_blocks(  # type: ignore[misc]  # mypy misreads the star-args
+            *band_block_mask_tensors(tq, tk, window, device=q.device),
+            BLOCK_SIZE=FLEX_BLOCK,
+            seq_lengths=(tq, tk),
+        ),
+    )
+    band_mask = copy.copy(structure)
+    band_mask.mask_mod = band  # the cached structure, this layer's memberships
+    o_b, aux = attend(q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True))
+    lse_b = aux.lse
+    lse_b = lse_b.to(cdt)
+    lse = torch.logaddexp(lse_a, lse_b)
+    out = o_a * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
+    return out.to(q.dtype)
