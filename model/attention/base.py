@@ -83,6 +83,13 @@ class KVCache:
         self.max_len = max_len
         self.length = 0
         self.extra: dict[str, Any] = {}
+        self._positions: Tensor | None = None  # arange(max_len), built on first use
+
+    def positions(self) -> Tensor:
+        """Positions [0, length) of the cached keys (a view: decoding builds no new range per token)."""
+        if self._positions is None:
+            self._positions = torch.arange(self.max_len, device=self.k.device)
+        return self._positions[: self.length]
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         t = k.shape[2]
@@ -167,7 +174,7 @@ class Attention(nn.Module):
             return self.document_attention(q, k, v, hidden=hidden, documents=documents)
         if cache is not None:
             k, v = cache.append(k, v)
-            k_pos = torch.arange(cache.length, device=q.device)
+            k_pos = cache.positions()
         else:
             k_pos = positions
         kwargs = dict(hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)

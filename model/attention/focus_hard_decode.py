@@ -109,9 +109,10 @@ def cpu_decode_hard_attention(
         lists.rows = GroupRows(b_size, lists.n_groups)
     lists.rows.sync(lists, k, v)
     counts = lists.counts
+    words = bits_q[:, 0].tolist()
     outs = []
     for b in range(b_size):
-        own = int(bits_q[b, 0])
+        own = words[b]
         qb = q[b : b + 1]
         o, lse = _FWD(qb, k[b : b + 1, :, lo:], v[b : b + 1, :, lo:], 0.0, False, scale=scale)
         parts = [(o, lse)]
@@ -135,6 +136,11 @@ def cpu_decode_hard_attention(
             parts.append(_FWD(qb, kc, vc, 0.0, False, attn_mask=mask, scale=scale))
         if len(parts) == 1:
             outs.append(o)
+            continue
+        if len(parts) == 2:  # window + one group (top_k = 1): o1 + (o0 - o1) sigmoid(lse0 - lse1), fewer operations
+            (o0, lse0), (o1, lse1) = parts
+            w = torch.sigmoid(lse0 - lse1)[..., None]  # the logsumexp's dtype: float32 for bf16 / fp16 outputs
+            outs.append(torch.lerp(o1.to(w.dtype), o0.to(w.dtype), w).to(q.dtype))
             continue
         total = parts[0][1]
         for _, lse_part in parts[1:]:
