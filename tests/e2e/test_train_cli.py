@@ -443,7 +443,8 @@ def test_prescored_hyper_swaps_in_at_evaluation(reference_run, tmp_path):
 
     def ppl(*sets: str) -> float:
         out = tmp_path / f"ev{len(list(tmp_path.iterdir()))}.json"
-        args = [sys.executable, "-m", "eval.run", "--run", str(reference_run), "--tasks", "ppl", "--out", str(out)]
+        args = [sys.executable, "-m", "eval.run", "--run", str(reference_run), "--tasks", "ppl", "--limit", "16"]
+        args += ["--out", str(out)]
         for s in sets:
             args += ["--set", s]
         ev = subprocess.run(args, cwd=REPO, capture_output=True, text=True, timeout=300)
