@@ -3,6 +3,7 @@ sizing and the runner that generates and scores samples."""
 
 from __future__ import annotations
 
+import functools
 import gzip
 import itertools
 import json
@@ -294,10 +295,7 @@ def fitted_samples(
         for case in cases:
             fill = None
             for depth in depths:
-
-                def build(n: int, case: Case = case, depth: float = depth) -> str:
-                    return case.build(n, depth)
-
+                build = functools.partial(case.build, depth=depth)
                 if fill is None:
                     text, tokens, fill = _fit(
                         build, encode, budget, limit=case.limit, what=what, length=length, new=new

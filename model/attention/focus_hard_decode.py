@@ -137,15 +137,9 @@ def cpu_decode_hard_attention(
         if len(parts) == 1:
             outs.append(o)
             continue
-        if len(parts) == 2:  # window + one group (top_k = 1): o1 + (o0 - o1) sigmoid(lse0 - lse1), fewer operations
-            (o0, lse0), (o1, lse1) = parts
-            w = torch.sigmoid(lse0 - lse1)[..., None]  # the logsumexp's dtype: float32 for bf16 / fp16 outputs
-            outs.append(torch.lerp(o1.to(w.dtype), o0.to(w.dtype), w).to(q.dtype))
-            continue
-        total = parts[0][1]
-        for _, lse_part in parts[1:]:
-            total = torch.logaddexp(total, lse_part)
-        out = sum(o_part * torch.exp(lse_part - total)[..., None] for o_part, lse_part in parts)  # elementwise only
+        # merge by logsumexp: part weights softmax(lse) over the parts, in the logsumexp's dtype (float32 for bf16)
+        weights = torch.softmax(torch.stack([lse_part for _, lse_part in parts]), dim=0)[..., None]
+        out = (torch.stack([o_part for o_part, _ in parts]).to(weights.dtype) * weights).sum(0)
         outs.append(out.to(q.dtype))
     return torch.cat(outs, 0)
 

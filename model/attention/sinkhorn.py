@@ -30,31 +30,19 @@ def sinkhorn_prefix(scores: Tensor, iters: int, state: Tensor | None = None) -> 
 
     ``state`` from a previous call holds the earlier tokens' log masses; None = the sequence starts here.
     """
-    if scores.shape[1] == 1 and state is not None:  # decoding: the same operations on [B, K], fewer of them
-        return _sinkhorn_prefix_step(scores, iters, state)
     log = scores
     masses = []
-    single = scores.shape[1] == 1  # one token: the cumulative sum over it is the token
+    single = scores.shape[1] == 1  # decoding: the cumulative sum over one token is the token
+    # the earlier tokens' log mass per iteration, indexed once ([B, 1, K] each): per-iteration indexing was most of
+    # a decode step's cost
+    earlier = state.unsqueeze(2).unbind(1) if state is not None else None
     for n in range(iters):
         cum = log if single else torch.logcumsumexp(log, dim=1)
-        if state is not None:
-            cum = torch.logaddexp(cum, state[:, n, None, :])
+        if earlier is not None:
+            cum = torch.logaddexp(cum, earlier[n])
         masses.append(cum[:, -1])
         log = torch.log_softmax(log - cum, dim=-1)
     return log.exp(), torch.stack(masses, dim=1)
-
-
-def _sinkhorn_prefix_step(scores: Tensor, iters: int, state: Tensor) -> tuple[Tensor, Tensor]:
-    """``sinkhorn_prefix`` for one new token after ``state``: the same logaddexp / log_softmax on the same values
-    (so the same result), without the per-iteration indexing that dominates a decode step's cost."""
-    earlier = state.unbind(1)  # per iteration: the log group mass of the tokens already seen, [B, K]
-    log = scores[:, 0]
-    masses = []
-    for n in range(iters):
-        cum = torch.logaddexp(log, earlier[n])
-        masses.append(cum)
-        log = torch.log_softmax(log - cum, dim=-1)
-    return log.exp()[:, None], torch.stack(masses, dim=1)
 
 
 def group_imbalance(assign: Tensor) -> Tensor:
