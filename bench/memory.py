@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import re
 import statistics
+import sys
 import time
+from array import array
 from collections.abc import Callable
 from typing import Any
 
@@ -86,6 +88,8 @@ def cache_nbytes(cache: KVCache) -> int:
         if isinstance(x, torch.Tensor):
             storage = x.untyped_storage()
             seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+        elif isinstance(x, array):  # host-side int arrays (Focus's group member lists): their buffer, capacity included
+            seen[id(x)] = sys.getsizeof(x)
         elif id(x) in visited:
             return
         elif isinstance(x, dict):

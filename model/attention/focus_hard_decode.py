@@ -1,8 +1,16 @@
 """Focus hard mode, decode: the new token reads the window and the far members of its own groups only, from
-per-group index lists kept with the KV cache (see ``focus_hard``'s docstring).
+per-group member lists kept with the KV cache (see ``focus_hard``'s docstring).
+
+A decode step is a few kernel calls around a fixed cost of small operations (at batch 1 the small operations took
+as long as the kernels), so the lists are Python-side int64 arrays (append and bisection without tensor
+operations), and the CPU path copies a group's keys into its contiguous rows only when a member leaves the window
+that is not there yet (then every member so far: about one copy per group per ``window`` tokens).
 """
 
 from __future__ import annotations
+
+import bisect
+from array import array
 
 import torch
 import torch.nn.functional as F
@@ -13,87 +21,121 @@ from model.attention.focus_hard_rows import additive, take_rows
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
-# ---- decode: per-group index lists in the KV cache ----------------------------------------------------------------
+def _as_index(positions: array, device: torch.device) -> Tensor:
+    """An int64 array (a copy of a slice) as a tensor on ``device``."""
+    return (
+        torch.frombuffer(positions, dtype=torch.long).to(device)
+        if len(positions)
+        else torch.empty(0, dtype=torch.long, device=device)
+    )
+
+
+# ---- decode: per-group member lists in the KV cache ---------------------------------------------------------------
 class GroupLists:
-    """Per (sequence, group): the positions of the group's members so far, ascending (the hard-mode KV cache)."""
+    """Per (sequence, group): the positions of the group's members so far, ascending (the hard-mode KV cache), as
+    int64 arrays; ``members`` gives one as a tensor on the lists' device (written into ``index`` as needed)."""
 
     def __init__(self, batch: int, n_groups: int, device: torch.device | str, capacity: int = 256):
         self.n_groups = n_groups
+        self.device = torch.device(device)
+        self.pos = [[array("q") for _ in range(n_groups)] for _ in range(batch)]
         self.index = torch.zeros(batch, n_groups, capacity, dtype=torch.long, device=device)
-        self.counts = [[0] * n_groups for _ in range(batch)]  # members per (sequence, group)
+        self._indexed = [[0] * n_groups for _ in range(batch)]  # members already written into ``index``
         self.length = 0  # tokens appended
+        self.last: list[int] | None = None  # after a one-token append: that token's membership word per sequence
         self.rows: GroupRows | None = None  # CPU decoding: the groups' keys and values, contiguous
 
     @property
-    def count(self) -> Tensor:
-        return torch.tensor(self.counts, dtype=torch.long, device=self.index.device)
+    def counts(self) -> list[list[int]]:
+        return [[len(p) for p in row] for row in self.pos]
 
-    def _reserve(self, need: int) -> None:
-        if need > self.index.shape[2]:
-            grown = self.index.new_zeros(*self.index.shape[:2], max(need, 2 * self.index.shape[2]))
-            grown[:, :, : self.index.shape[2]] = self.index
-            self.index = grown
+    @property
+    def count(self) -> Tensor:
+        return torch.tensor(self.counts, dtype=torch.long, device=self.device)
 
     def append(self, bits: Tensor) -> None:
         """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
-        if bits.shape[1] == 1:  # decoding: a few scalar writes
-            words = bits[:, 0].tolist()
-            self._reserve(max(max(row) for row in self.counts) + 1)
-            for b, word in enumerate(words):
+        if bits.shape[1] == 1:  # decoding: a few appends, no tensor operation
+            self.last = [row[0] for row in bits.tolist()]
+            for b, word in enumerate(self.last):
                 for c in range(self.n_groups):
                     if (word >> c) & 1:
-                        self.index[b, c, self.counts[b][c]] = self.length
-                        self.counts[b][c] += 1
+                        self.pos[b][c].append(self.length)
             self.length += 1
             return
-        member = ((bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1).bool()  # [B, t, K]
-        count = self.count
-        added = member.sum(1)
-        self._reserve(int((count + added).max()) if member.numel() else 0)
-        slot = count[:, None, :] + member.long().cumsum(1) - 1  # [B, t, K]
-        bi, ii, ci = member.nonzero(as_tuple=True)
-        self.index[bi, ci, slot[bi, ii, ci]] = self.length + ii
-        self.counts = (count + added).tolist()
+        self.last = None
+        member = (bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1  # [B, t, K]
+        for b in range(bits.shape[0]):
+            group, token = torch.nonzero(member[b].T, as_tuple=True)  # by group, then position
+            tokens = (token + self.length).tolist()
+            start = 0
+            for c, n in enumerate(torch.bincount(group, minlength=self.n_groups).tolist()):
+                self.pos[b][c].extend(tokens[start : start + n])
+                start += n
         self.length += bits.shape[1]
 
     def members(self, b: int, c: int, count: int) -> Tensor:
+        """The first ``count`` members of group c of sequence b, [count] on the lists' device."""
+        have = self._indexed[b][c]
+        if have < count:
+            if count > self.index.shape[2]:
+                grown = self.index.new_zeros(*self.index.shape[:2], max(count, 2 * self.index.shape[2]))
+                grown[:, :, : self.index.shape[2]] = self.index
+                self.index = grown
+            self.index[b, c, have:count] = _as_index(self.pos[b][c][have:count], self.device)
+            self._indexed[b][c] = count
         return self.index[b, c, :count]
 
 
 class GroupRows:
-    """Per (sequence, group): the keys and values of the group's members, contiguous and in position order, copied
-    from the KV cache as tokens arrive (``sync``). CPU decoding then reads a group's far keys as one slice instead of
-    gathering them every step. Costs top_k times the raw keys and values (plus growth room)."""
+    """Per (sequence, group): the keys and values of the group's first ``stored`` members, [1, Hkv, capacity, D],
+    contiguous and in position order (and their membership words, for top_k > 1), copied from the KV cache by
+    ``fill``. CPU decoding reads a group's far keys as one slice. Costs top_k times the raw keys and values (plus
+    growth room)."""
 
     def __init__(self, batch: int, n_groups: int):
         self.k: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
         self.v: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
+        self.bits: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
         self.stored = [[0] * n_groups for _ in range(batch)]
 
-    def sync(self, lists: GroupLists, k: Tensor, v: Tensor) -> None:
-        """Copy in the members the lists gained since the last call (k, v: [B, Hkv, Tk, D], the cache so far)."""
-        for b, row in enumerate(lists.counts):
-            for c, count in enumerate(row):
-                have = self.stored[b][c]
-                if count == have:
-                    continue
-                new = lists.members(b, c, count)[have:]
-                kb, vb = self.k[b][c], self.v[b][c]
-                if kb is None or kb.shape[1] < count:
-                    cap = max(count + 64, int(1.5 * (0 if kb is None else kb.shape[1])))
-                    grown_k = k.new_empty(k.shape[1], cap, k.shape[3])
-                    grown_v = v.new_empty(v.shape[1], cap, v.shape[3])
-                    if kb is not None and vb is not None:
-                        grown_k[:, :have], grown_v[:, :have] = kb[:, :have], vb[:, :have]
-                    self.k[b][c], self.v[b][c] = kb, vb = grown_k, grown_v
-                assert kb is not None and vb is not None
-                if new.numel() == 1:  # decoding: one row, no gather
-                    kb[:, have] = k[b, :, int(new)]
-                    vb[:, have] = v[b, :, int(new)]
-                else:
-                    kb[:, have:count] = take_rows(k, b, new)
-                    vb[:, have:count] = take_rows(v, b, new)
-                self.stored[b][c] = count
+    def fill(self, lists: GroupLists, b: int, c: int, k: Tensor, v: Tensor, bits_k: Tensor) -> None:
+        """Copy in every member of group c of sequence b not stored yet (k, v: [B, Hkv, Tk, D] and bits_k [B, Tk],
+        the cache so far, holding every listed member)."""
+        pos = lists.pos[b][c]
+        have, count = self.stored[b][c], len(pos)
+        if count == have:
+            return
+        kb, vb, bb = self.k[b][c], self.v[b][c], self.bits[b][c]
+        if kb is None or vb is None or bb is None or kb.shape[2] < count:
+            cap = max(count + 64, int(1.5 * (0 if kb is None else kb.shape[2])))
+            grown_k = k.new_empty(1, k.shape[1], cap, k.shape[3])
+            grown_v = v.new_empty(1, v.shape[1], cap, v.shape[3])
+            grown_b = bits_k.new_empty(cap)
+            if kb is not None and vb is not None and bb is not None:
+                grown_k[:, :, :have], grown_v[:, :, :have], grown_b[:have] = kb[:, :, :have], vb[:, :, :have], bb[:have]
+            self.k[b][c], self.v[b][c], self.bits[b][c] = kb, vb, bb = grown_k, grown_v, grown_b
+        new = _as_index(pos[have:count], k.device)
+        kb[0, :, have:count] = take_rows(k, b, new)
+        vb[0, :, have:count] = take_rows(v, b, new)
+        bb[have:count] = bits_k[b].index_select(0, new)
+        self.stored[b][c] = count
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """Attention results over disjoint key sets (output, logsumexp) -> the output over their union, in the
+    logsumexp's dtype (float32 for bf16 inputs)."""
+    (o, lse), *rest = parts
+    if not rest:
+        return o
+    if len(rest) == 1:  # two parts: one interpolation
+        o_part, lse_part = rest[0]
+        weight = torch.sigmoid(lse_part - lse).unsqueeze(-1)
+        if o.dtype != weight.dtype:
+            o, o_part = o.to(weight.dtype), o_part.to(weight.dtype)
+        return torch.lerp(o, o_part, weight)
+    weights = torch.softmax(torch.stack([lse_part for _, lse_part in parts]), dim=0)[..., None]
+    return (torch.stack([o_part for o_part, _ in parts]).to(weights.dtype) * weights).sum(0)
 
 
 def cpu_decode_hard_attention(
@@ -107,41 +149,32 @@ def cpu_decode_hard_attention(
     lo = max(0, tk - window)  # keys [lo, tk) are inside the window: all allowed
     if lists.rows is None:
         lists.rows = GroupRows(b_size, lists.n_groups)
-    lists.rows.sync(lists, k, v)
-    counts = lists.counts
-    words = bits_q[:, 0].tolist()
+    rows = lists.rows
     outs = []
-    for b in range(b_size):
-        own = words[b]
-        qb = q[b : b + 1]
-        o, lse = _FWD(qb, k[b : b + 1, :, lo:], v[b : b + 1, :, lo:], 0.0, False, scale=scale)
-        parts = [(o, lse)]
+    for b, (own,) in enumerate(bits_q.tolist()):
+        qb, kb, vb = (q, k, v) if b_size == 1 else (q[b : b + 1], k[b : b + 1], v[b : b + 1])
+        parts = [_FWD(qb, kb[:, :, lo:], vb[:, :, lo:], 0.0, False, scale=scale)]
         for c in range(lists.n_groups):
             if not (own >> c) & 1:
                 continue
-            idx = lists.members(b, c, counts[b][c])
-            n_far = int(torch.searchsorted(idx, lo))  # members before the window
+            n_far = bisect.bisect_left(lists.pos[b][c], lo)  # members before the window
             if n_far == 0:
                 continue
+            if rows.stored[b][c] < n_far:
+                rows.fill(lists, b, c, k, v, bits_k)
+            kr, vr, br = rows.k[b][c], rows.v[b][c], rows.bits[b][c]
+            assert kr is not None and vr is not None and br is not None  # filled above
             mask = None
             lower = own & ((1 << c) - 1)
             if lower:  # a key also in a lower group of the token was taken there
-                dup = (bits_k[b, idx[:n_far]] & lower) != 0
+                dup = (br[:n_far] & lower) != 0
                 if bool(dup.all()):
                     continue
                 mask = additive(~dup, q.dtype)[None, None, None]
-            kr, vr = lists.rows.k[b][c], lists.rows.v[b][c]
-            assert kr is not None and vr is not None  # synced above
-            kc, vc = kr[None, :, :n_far], vr[None, :, :n_far]
-            parts.append(_FWD(qb, kc, vc, 0.0, False, attn_mask=mask, scale=scale))
-        if len(parts) == 1:
-            outs.append(o)
-            continue
-        # merge by logsumexp: part weights softmax(lse) over the parts, in the logsumexp's dtype (float32 for bf16)
-        weights = torch.softmax(torch.stack([lse_part for _, lse_part in parts]), dim=0)[..., None]
-        out = (torch.stack([o_part for o_part, _ in parts]).to(weights.dtype) * weights).sum(0)
-        outs.append(out.to(q.dtype))
-    return torch.cat(outs, 0)
+            parts.append(_FWD(qb, kr[:, :, :n_far], vr[:, :, :n_far], 0.0, False, attn_mask=mask, scale=scale))
+        outs.append(_merge(parts))
+    out = outs[0] if b_size == 1 else torch.cat(outs, 0)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def decode_hard_attention(
@@ -149,20 +182,17 @@ def decode_hard_attention(
 ) -> Tensor:
     """One new token per sequence (q [B, H, 1, D], the last of the Tk cached keys): exact hard attention reading the
     window and the far members of the token's groups only. Any device; SDPA does the attention."""
-    b_size, tk = q.shape[0], k.shape[2]
+    tk = k.shape[2]
     p = tk - 1
     lo = max(0, p - window + 1)  # keys [lo, p] are inside the window: all allowed
-    counts = lists.counts
     near = torch.arange(lo, tk, device=q.device)
     outs = []
-    for b in range(b_size):
-        own = int(bits_q[b, 0])
+    for b, (own,) in enumerate(bits_q.tolist()):
         far = []
         for c in range(lists.n_groups):
             if not (own >> c) & 1:
                 continue
-            idx = lists.members(b, c, counts[b][c])
-            idx = idx[: int(torch.searchsorted(idx, lo))]  # members before the window
+            idx = lists.members(b, c, bisect.bisect_left(lists.pos[b][c], lo))  # members before the window
             lower = own & ((1 << c) - 1)
             if lower and idx.numel():  # a key also in a lower group of the query was taken there
                 idx = idx[(bits_k[b, idx] & lower) == 0]

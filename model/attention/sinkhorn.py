@@ -30,19 +30,30 @@ def sinkhorn_prefix(scores: Tensor, iters: int, state: Tensor | None = None) -> 
 
     ``state`` from a previous call holds the earlier tokens' log masses; None = the sequence starts here.
     """
+    if scores.shape[1] == 1 and state is not None:
+        return _sinkhorn_token(scores, iters, state)
     log = scores
     masses = []
-    single = scores.shape[1] == 1  # decoding: the cumulative sum over one token is the token
-    # the earlier tokens' log mass per iteration, indexed once ([B, 1, K] each): per-iteration indexing was most of
-    # a decode step's cost
-    earlier = state.unsqueeze(2).unbind(1) if state is not None else None
     for n in range(iters):
-        cum = log if single else torch.logcumsumexp(log, dim=1)
-        if earlier is not None:
-            cum = torch.logaddexp(cum, earlier[n])
+        cum = torch.logcumsumexp(log, dim=1)
+        if state is not None:
+            cum = torch.logaddexp(cum, state[:, n : n + 1])
         masses.append(cum[:, -1])
         log = torch.log_softmax(log - cum, dim=-1)
     return log.exp(), torch.stack(masses, dim=1)
+
+
+def _sinkhorn_token(scores: Tensor, iters: int, state: Tensor) -> tuple[Tensor, Tensor]:
+    """``sinkhorn_prefix`` of one new token (decoding): the cumulative mass is the earlier tokens' plus its own, and
+    each iteration's [B, 1, K] mass is kept as it is and joined once at the end (a decode step is a few kernels
+    around a fixed cost of small operations; per-iteration indexing and stacking were a large part of it)."""
+    log = scores
+    masses = []
+    for earlier in state.unsqueeze(2).unbind(1):  # [B, 1, K] per iteration
+        cum = torch.logaddexp(log, earlier)
+        masses.append(cum)
+        log = torch.log_softmax(log - cum, dim=-1)
+    return log.exp(), torch.cat(masses, dim=1)
 
 
 def group_imbalance(assign: Tensor) -> Tensor:
