@@ -16,7 +16,7 @@ from model.attention import LayerSpec, build_attention
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig, lambda_at
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.sinkhorn import group_imbalance, logcumsumexp, sinkhorn_prefix, sinkhorn_sequence
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.transformer import Transformer
@@ -63,6 +63,39 @@ def test_prefix_sinkhorn_is_causal_and_resumable():
     a3, st3 = sinkhorn_prefix(s[:, 14:], 10, st2)
     torch.testing.assert_close(torch.cat([a1, a2, a3], 1), full, atol=1e-13, rtol=0)
     torch.testing.assert_close(st3, state, atol=1e-12, rtol=0)
+
+
+def test_fast_logcumsumexp_equals_the_library_scan_values_gradients_and_causality():
+    """The CPU float32 path (float64 exp-cumsum-log) against ``torch.logcumsumexp`` in float64: values and gradients
+    (the library's float32 backward is the less accurate of the two); a position never depends on later ones, also
+    when a later value is out of the fast path's range (that suffix falls back to the library's scan)."""
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(3, 200, 6, generator=g) * 20).requires_grad_()
+    x64 = x.detach().double().requires_grad_()
+    fast, exact = logcumsumexp(x, 1), torch.logcumsumexp(x64, 1)
+    torch.testing.assert_close(fast.double(), exact, atol=2e-5, rtol=1e-6)
+    w = torch.randn(fast.shape, generator=g)
+    (g_fast,) = torch.autograd.grad((fast * w).sum(), x)
+    (g_exact,) = torch.autograd.grad((exact * w.double()).sum(), x64)
+    (g_lib,) = torch.autograd.grad((torch.logcumsumexp(x, 1) * w).sum(), x)
+    torch.testing.assert_close(g_fast.double(), g_exact, atol=1e-5, rtol=1e-5)
+    assert (g_fast.double() - g_exact).abs().max() <= (g_lib.double() - g_exact).abs().max()
+    with torch.no_grad():
+        base = logcumsumexp(x, 1)
+        y = x.detach().clone()
+        y[1, 120, 2] = 500.0  # out of range: positions >= 120 of that column take the library's scan
+        out = logcumsumexp(y, 1)
+        torch.testing.assert_close(out[:, :120], base[:, :120], atol=0, rtol=0)
+        torch.testing.assert_close(out[1, 120:], torch.logcumsumexp(y, 1)[1, 120:], atol=0, rtol=0)
+        assert out[1, 120, 2] == torch.logcumsumexp(y, 1)[1, 120, 2] and out[1, 125, 2] > 499
+
+
+def test_prefix_sinkhorn_float32_matches_float64():
+    s = torch.randn(2, 300, 8, dtype=torch.float64) * 10  # scores as at tau = 0.1
+    a64, st64 = sinkhorn_prefix(s, 10)
+    a32, st32 = sinkhorn_prefix(s.float(), 10)
+    torch.testing.assert_close(a32.double(), a64, atol=1e-5, rtol=0)
+    torch.testing.assert_close(st32.double(), st64, atol=1e-4, rtol=1e-6)
 
 
 # ---- exact hard inference ---------------------------------------------------------------
