@@ -3,7 +3,8 @@
 One attention layer (batch 1, 4 heads of 64; GQA off), random inputs, every registered variant in ``CASES``, side by
 side with full attention in the same run. For each length: forward time and forward+backward time (median of
 ``--repeat`` runs after one warm-up), and the peak memory a forward / forward+backward adds. For each context: decode
-time per token on a KV cache filled to that context (median over ``--steps`` tokens) and the bytes the cache holds.
+time per token on a KV cache filled to that context (median over ``--repeat`` rounds of ``--steps`` tokens, the
+variants taking turns within each round) and the bytes the cache holds.
 Ratios divide by full attention's figure at the same length. Prints Markdown tables and writes the same figures as JSON
 (``--json``), with the date, device, command and machine load.
 
@@ -263,54 +264,63 @@ def bench_forward(
     return rows
 
 
-def bench_decode(cases, contexts, device, dtype, steps, dense_gib, skipped: list[str], prefill_chunk=1024):
-    """Fill a KV cache to ``context`` tokens (chunked prefill through the variant, so caches that keep state build
-    it; full attention's cache is filled directly), then time ``steps`` single-token decode calls one by one."""
+def _decode_step(module, case, q, k, v, hidden, cache, a: int, b: int, device) -> None:
+    module(
+        q[:, :, a:b],
+        k[:, :, a:b],
+        v[:, :, a:b],
+        hidden=hidden[:, a:b],
+        positions=torch.arange(a, b, device=device),
+        cache=cache,
+    )
+
+
+def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipped: list[str], prefill_chunk=1024):
+    """Fill a KV cache per case to ``context`` tokens (chunked prefill through the variant, so caches that keep state
+    build it; full attention's cache is filled directly), then time ``rounds`` rounds of ``steps`` single-token decode
+    calls, the cases taking turns within each round, so that a change in the machine's speed during the run reaches
+    every case alike. The figure is the median over all timed tokens of a case."""
     rows = []
     for ctx in contexts:
-        total = ctx + steps
+        total = ctx + steps * rounds
         q, k, v, hidden = random_qkv(total, device, dtype, seed=ctx)
-        base = None
+        live = []  # [case, module, cache, times]
         for case in [c for c in cases if c.decode]:
             if device == "cpu" and case.dense and BATCH * HEADS * prefill_chunk * ctx * 4 > dense_gib * 2**30:
                 skipped.append(f"{case.label} decode at {ctx}: its prefill chunks hold chunk x context scores")
                 continue
             module = make(case.kind, case.options, total, device, dtype)
             cache = KVCache(BATCH, HEADS, HEAD_DIM, total, dtype=dtype, device=device)
-            times = []
             try:
                 with torch.no_grad():
                     if case.kind == "full":  # its prefill leaves exactly the raw keys: skip its O(L^2) work
                         cache.append(k[:, :, :ctx], v[:, :, :ctx])
                     else:
                         for a in range(0, ctx, prefill_chunk):
-                            b = min(ctx, a + prefill_chunk)
-                            module(
-                                q[:, :, a:b],
-                                k[:, :, a:b],
-                                v[:, :, a:b],
-                                hidden=hidden[:, a:b],
-                                positions=torch.arange(a, b, device=device),
-                                cache=cache,
-                            )
-                    for i in range(ctx, total):
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                        module(
-                            q[:, :, i : i + 1],
-                            k[:, :, i : i + 1],
-                            v[:, :, i : i + 1],
-                            hidden=hidden[:, i : i + 1],
-                            positions=torch.arange(i, i + 1, device=device),
-                            cache=cache,
-                        )
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        times.append(time.perf_counter() - t0)
+                            _decode_step(module, case, q, k, v, hidden, cache, a, min(ctx, a + prefill_chunk), device)
             except (RuntimeError, MemoryError) as err:
                 skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                 continue
+            live.append([case, module, cache, []])
+        for r in range(rounds):
+            for entry in list(live):
+                case, module, cache, times = entry
+                try:
+                    with torch.no_grad():
+                        for i in range(ctx + r * steps, ctx + (r + 1) * steps):
+                            if device == "cuda":
+                                torch.cuda.synchronize()
+                            t0 = time.perf_counter()
+                            _decode_step(module, case, q, k, v, hidden, cache, i, i + 1, device)
+                            if device == "cuda":
+                                torch.cuda.synchronize()
+                            times.append(time.perf_counter() - t0)
+                except (RuntimeError, MemoryError) as err:
+                    msg = str(err).splitlines()[0][:160]
+                    skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {msg}")
+                    live.remove(entry)
+        base = None
+        for case, module, cache, times in live:
             row = {
                 "case": case.label,
                 "kind": case.kind,
@@ -326,7 +336,7 @@ def bench_decode(cases, contexts, device, dtype, steps, dense_gib, skipped: list
             row["cache_ratio"] = row["cache_bytes"] / base["cache_bytes"]
             rows.append(row)
             print(f"  {case.label} context={ctx}: {row['ms_per_token']:.2f} ms/token", flush=True)
-            del module, cache
+        del live
     return rows
 
 
@@ -364,7 +374,8 @@ def markdown(meta: dict[str, Any], fwd: list[dict[str, Any]], dec: list[dict[str
     if dec:
         lines += [
             "",
-            f"### Decode: one token on a KV cache of the given context (median of {meta['steps']} tokens)",
+            f"### Decode: one token on a KV cache of the given context (median of {meta['repeat']} rounds x "
+            f"{meta['steps']} tokens, the variants taking turns within each round)",
             "",
             "| variant | context | ms / token | time / full | cache MiB (allocated) | cache / full |",
             "|---|---:|---:|---:|---:|---:|",
@@ -393,7 +404,7 @@ def main(argv: list[str] | None = None) -> None:
         "--cases", default="", help="only cases whose label contains one of these comma-separated words"
     )
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=32, help="decode tokens timed per context")
+    parser.add_argument("--steps", type=int, default=32, help="decode tokens timed per context and round")
     parser.add_argument("--dense-gib", type=float, default=1.0, help="CPU: largest T x T score tensor a case may hold")
     parser.add_argument("--max-seconds", type=float, default=60.0, help="skip a run predicted to take longer")
     parser.add_argument("--no-decode", action="store_true")
@@ -450,7 +461,11 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(f"# bench.attention on {device}", flush=True)
     fwd = bench_forward(cases, lengths, args.device, dtype, repeat, args.dense_gib, args.max_seconds, meta["skipped"])
-    dec = bench_decode(cases, contexts, args.device, dtype, steps, args.dense_gib, meta["skipped"]) if contexts else []
+    dec = (
+        bench_decode(cases, contexts, args.device, dtype, steps, repeat, args.dense_gib, meta["skipped"])
+        if contexts
+        else []
+    )
     meta["loadavg_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
     print("\n" + markdown(meta, fwd, dec))
     if args.json:
