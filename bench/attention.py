@@ -278,11 +278,12 @@ def _decode_step(module, case, q, k, v, hidden, cache, a: int, b: int, device) -
 def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipped: list[str], prefill_chunk=1024):
     """Fill a KV cache per case to ``context`` tokens (chunked prefill through the variant, so caches that keep state
     build it; full attention's cache is filled directly), then time ``rounds`` rounds of ``steps`` single-token decode
-    calls, the cases taking turns within each round, so that a change in the machine's speed during the run reaches
-    every case alike. The figure is the median over all timed tokens of a case."""
+    calls after one untimed warm-up round, the cases taking turns within each round, so that a change in the
+    machine's speed during the run reaches every case alike. The figure is the median over all timed tokens of a
+    case."""
     rows = []
     for ctx in contexts:
-        total = ctx + steps * rounds
+        total = ctx + steps * (rounds + 1)
         q, k, v, hidden = random_qkv(total, device, dtype, seed=ctx)
         live = []  # [case, module, cache, times]
         for case in [c for c in cases if c.decode]:
@@ -302,19 +303,20 @@ def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipp
                 skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                 continue
             live.append([case, module, cache, []])
-        for r in range(rounds):
+        for r in range(-1, rounds):  # round -1: a warm-up (one-time work of a variant's first decode steps)
             for entry in list(live):
                 case, module, cache, times = entry
                 try:
                     with torch.no_grad():
-                        for i in range(ctx + r * steps, ctx + (r + 1) * steps):
+                        for i in range(ctx + (r + 1) * steps, ctx + (r + 2) * steps):
                             if device == "cuda":
                                 torch.cuda.synchronize()
                             t0 = time.perf_counter()
                             _decode_step(module, case, q, k, v, hidden, cache, i, i + 1, device)
                             if device == "cuda":
                                 torch.cuda.synchronize()
-                            times.append(time.perf_counter() - t0)
+                            if r >= 0:
+                                times.append(time.perf_counter() - t0)
                 except (RuntimeError, MemoryError) as err:
                     msg = str(err).splitlines()[0][:160]
                     skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {msg}")

@@ -24,7 +24,7 @@ from model.attention import reference as ref
 def membership_bits(assign: Tensor, top_k: int) -> Tensor:
     """[B, T, K] assignments -> [B, T] int64 bitmask of each token's top-k groups (ties: lower index)."""
     if top_k == 1:  # argmax returns the first of tied maxima too: the same bits, two operations
-        return torch.bitwise_left_shift(torch.ones((), dtype=torch.long, device=assign.device), assign.argmax(-1))
+        return torch.pow(2, assign.argmax(-1))
     top = torch.sort(assign, dim=-1, descending=True, stable=True).indices[..., :top_k]
     return torch.bitwise_left_shift(torch.ones_like(top), top).sum(-1)
 
