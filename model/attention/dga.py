@@ -233,7 +233,7 @@ class DynamicGroupAttention(GroupedKVCache):
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         comp, (ck, cv, avail) = self._compress_uncached(q, k, v, int(q_pos[-1]))
-        if q.is_cuda and _flex_ok():
+        if _flex_ok(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})
         if self.cfg.selection == "causal":
@@ -357,7 +357,7 @@ class DynamicGroupAttention(GroupedKVCache):
                 return torch.where(kv < n, comp_ok, raw_visible(bi, hi, qp, (kv - n).clamp(min=0)))
 
         block_mask = create_block_mask(mask_mod, b, h, tq, n + tk, device=q.device)
-        return flex_attention_fn(q.is_cuda)(q, keys, values, block_mask=block_mask, scale=self.scale)
+        return flex_attention_fn(q.is_cuda, "dga")(q, keys, values, block_mask=block_mask, scale=self.scale)
 
     def _stats(self, counts: Tensor | None, q_pos: Tensor) -> dict[str, Tensor]:
         if counts is None:
@@ -366,9 +366,7 @@ class DynamicGroupAttention(GroupedKVCache):
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
 
 
-def _flex_ok() -> bool:
-    try:
-        from model.attention.flex import flex_available
-    except ImportError:
-        return False
-    return flex_available()
+def _flex_ok(q: Tensor) -> bool:
+    from model.attention.flex import flex_supports
+
+    return flex_supports(q)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import types
+
 import torch
 
-_COMPILED = None
+MIN_HEAD_DIM = 16  # FlexAttention's compiled kernels need a head dimension of at least 16
 
 
 def flex_available() -> bool:
@@ -15,16 +17,38 @@ def flex_available() -> bool:
     return True
 
 
-def flex_attention_fn(compiled: bool):
-    """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests)."""
-    global _COMPILED
+def flex_supports(q: torch.Tensor) -> bool:
+    """Whether a variant's compiled FlexAttention path can take these queries (CUDA, head_dim >= 16); otherwise the
+    variant takes its reference path."""
+    return q.is_cuda and q.shape[-1] >= MIN_HEAD_DIM and flex_available()
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _flex_call(*args, **kwargs):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return flex_attention(*args, **kwargs)
+
+
+def flex_attention_fn(compiled: bool, site: str = "flex"):
+    """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests).
+
+    One compiled function per call ``site``, with dynamic shapes: dynamo's recompile budget (8) is per code object,
+    and a single shared wrapper compiled per length ran out across call sites, grad modes and lengths, after which
+    dynamo runs FlexAttention eagerly (dense T x T scores: 64 GiB at T = 65,536). So each site gets its own copy of
+    the caller's code object."""
     from torch.nn.attention.flex_attention import flex_attention
 
     if not compiled:
         return flex_attention
-    if _COMPILED is None:
-        _COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _COMPILED
+    fn = _COMPILED.get(site)
+    if fn is None:
+        code = _flex_call.__code__.replace(co_name=f"flex_{site}")
+        caller = types.FunctionType(code, _flex_call.__globals__, f"flex_{site}")
+        fn = _COMPILED[site] = torch.compile(caller, dynamic=True)
+    return fn
 
 
 _BLOCK_MASKS: dict = {}

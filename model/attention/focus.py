@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
-from model.attention.flex import causal_block_mask, flex_attention_fn, flex_available
+from model.attention.flex import causal_block_mask, flex_attention_fn, flex_supports
 from model.attention.focus_hard import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus_hard_flex import flex_hard_attention
@@ -239,7 +239,7 @@ class FocusAttention(Attention):
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         if self.cfg.mode == "hard":
             return True  # the exact decomposition runs on any device
-        return q.is_cuda and flex_available()
+        return flex_supports(q)
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         g_q, g_k = self.assignments(hidden, cache)
@@ -265,7 +265,7 @@ class FocusAttention(Attention):
                 decode = cpu_decode_hard_attention
             return decode(q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale)
         common = dict(bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups)
-        if ends_keys and q.is_cuda and flex_available():
+        if ends_keys and flex_supports(q):
             return flex_hard_attention(q, k, v, **common, top_k=cfg.top_k, compiled=True)
         if ends_keys and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes():
             return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
@@ -279,18 +279,22 @@ class FocusAttention(Attention):
         layers. Compiled on CUDA, eager elsewhere."""
         window = self.cfg.window
         additive = self.cfg.gate == "additive"
-        lam = self.lam.to(q.dtype)
-        a_q, a_k = g_q.to(q.dtype) * lam, g_k.to(q.dtype)
+        cdt = torch.promote_types(q.dtype, torch.float32)  # the gate in float32 as the reference's (bf16 lost 4x)
+        lam = self.lam.to(cdt)
+        a_q, a_k = g_q.to(cdt) * lam, g_k.to(cdt)
         if additive:
             a_q = torch.cat([a_q, (-0.5 * lam).expand(*a_q.shape[:2], 1)], dim=-1)
             a_k = torch.cat([a_k, a_k.new_ones(*a_k.shape[:2], 1)], dim=-1)
-        n_terms = a_q.shape[-1]
+        # one [B, T] tensor per term, each indexed once: inductor cannot lower a score_mod that indexes one tensor
+        # requiring gradients more than once
+        terms_q = [t.contiguous() for t in a_q.unbind(-1)]
+        terms_k = [t.contiguous() for t in a_k.unbind(-1)]
         q_pos = q_pos.to(q.device)
 
         def gated(score, b, h, qi, kv):
-            x = a_q[b, qi, 0] * a_k[b, kv, 0]
-            for c in range(1, n_terms):
-                x = x + a_q[b, qi, c] * a_k[b, kv, c]
+            x = terms_q[0][b, qi] * terms_k[0][b, kv]
+            for tq_c, tk_c in zip(terms_q[1:], terms_k[1:]):
+                x = x + tq_c[b, qi] * tk_c[b, kv]
             if additive:
                 gated_score = score + torch.clamp(x, max=0.0) - torch.log1p(torch.exp(-torch.abs(x)))  # log sigmoid
             else:
@@ -298,7 +302,7 @@ class FocusAttention(Attention):
             return torch.where(q_pos[qi] - kv >= window, gated_score, score)
 
         block_mask = causal_block_mask(q.shape[2], k.shape[2], q.device)
-        return flex_attention_fn(q.is_cuda)(
+        return flex_attention_fn(q.is_cuda, "focus_soft")(
             q, k, v, score_mod=gated, block_mask=block_mask, scale=self._scale(), enable_gqa=k.shape[1] != q.shape[1]
         )
 

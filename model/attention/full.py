@@ -13,7 +13,7 @@ from torch import Tensor
 from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
-from model.attention.flex import flex_attention_fn, flex_available
+from model.attention.flex import flex_attention_fn, flex_supports
 from model.documents import document_mask
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -75,7 +75,7 @@ class FullAttention(Attention):
         if self.impl == "reference":
             p = ref.masked_softmax(ref.scores(q, k, scale), document_mask(documents)[:, None])
             return AttnOut(ref.weighted_values(p, v, q.dtype))
-        if q.is_cuda and flex_available():
+        if flex_supports(q):
             return AttnOut(flex_document_attention(q, k, v, documents, scale=scale))
         mask = document_mask(documents)[:, None]
         return AttnOut(
@@ -99,7 +99,7 @@ def flex_document_attention(
 
     b, _, t, _ = q.shape
     block_mask = create_block_mask(same_document, B=b, H=None, Q_LEN=t, KV_LEN=t, device=q.device)
-    return flex_attention_fn(q.is_cuda if compiled is None else compiled)(
+    return flex_attention_fn(q.is_cuda if compiled is None else compiled, "documents")(
         q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
     )
 

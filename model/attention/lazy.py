@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from core.errors import check_choice, check_min
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
-from model.attention.flex import flex_available
+from model.attention.flex import flex_supports
 
 BIAS_INITS = ("zeros", "alibi")
 
@@ -104,7 +104,7 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return q.is_cuda and flex_available()
+        return flex_supports(q)
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         """Two FlexAttention passes (module docstring). Queries are at positions ``Tk - Tq .. Tk - 1``
@@ -139,7 +139,8 @@ def elastic_two_pass(
     kwargs = dict(
         block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True)
     )
-    lse = flex_attention(q, k, v, score_mod=biased, **kwargs)[1].lse
+    out1, aux1 = flex_attention(q, k, v, score_mod=biased, **kwargs)
+    lse = aux1.lse
 
     def elastic(score, b, h, qi, kv):
         # s <= lse on every visible key, so the bound never changes a weight; it keeps future keys
@@ -156,7 +157,10 @@ def elastic_two_pass(
     # out2 = sum_j relu(p_ij - tau/n_i) v_j / sum_j relu(...) and lse2 = log sum_j relu(...); a row with
     # nothing above the threshold has lse2 = -inf (weight 0) and a zero (or NaN) out2
     weight = torch.exp(aux.lse)[..., None]
-    return (torch.where(weight > 0, out2, 0.0) * weight.to(out2.dtype)).to(q.dtype)
+    out = torch.where(weight > 0, out2, 0.0) * weight.to(out2.dtype)
+    # + 0 x the first pass's output: inductor's FlexAttention backward (torch 2.11, CUDA) fails on a call whose
+    # output has no gradient, and only its logsumexp is used
+    return (out + 0.0 * out1).to(q.dtype)
 
 
 _COMPILED = None

@@ -31,8 +31,10 @@ def variant_config(name, case):
     return cfg
 
 
-def tiny_model(name, case, *, family="llama", impl="auto", dtype=torch.float64, seed=0) -> Transformer:
-    cfg = small_model_config(family, vocab_size=97, max_seq_len=64, d_model=48, n_layers=2, n_kv_heads=2, d_ff=96)
+def tiny_model(name, case, *, family="llama", impl="auto", dtype=torch.float64, seed=0, max_seq_len=64) -> Transformer:
+    cfg = small_model_config(
+        family, vocab_size=97, max_seq_len=max_seq_len, d_model=48, n_layers=2, n_kv_heads=2, d_ff=96
+    )
     cfg.attention.kind = name
     cfg.attention.options[name] = variant_config(name, case)
     cfg.attention.impl = impl
