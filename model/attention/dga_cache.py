@@ -12,6 +12,7 @@ from torch import Tensor
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, kv_cache_nbytes
 from model.attention.dga_units import DGAConfig, focal_count
+from model.attention.sdpa import sdpa_varying
 
 
 class GroupedKVCache(Attention):
@@ -90,7 +91,7 @@ class GroupedKVCache(Attention):
             # decode between folds: every compressed entry is visible, the raw keys held are the query's window
             st["k"][:, :, n + held], st["v"][:, :, n + held], st["q"][:, :, held] = k[:, :, 0], v[:, :, 0], q[:, :, 0]
             keys, values = st["k"][:, :, : n + held + 1], st["v"][:, :, : n + held + 1]
-            return torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+            return sdpa_varying(q, keys, values, scale=self.scale)
         # prefill, chunked prefill, or a decode step that folds: raw keys / queries of positions base .. p0 + t - 1
         rk = torch.cat([st["k"][:, :, n : n + held], k], 2)
         rv = torch.cat([st["v"][:, :, n : n + held], v], 2)
@@ -113,7 +114,7 @@ class GroupedKVCache(Attention):
         st["n"], st["folded"] = n, folded
         if out is None:  # one query after its fold: every entry and the raw keys held, as between folds
             keys, values = st["k"][:, :, : n + kept], st["v"][:, :, : n + kept]
-            out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, scale=self.scale)
+            out = sdpa_varying(q, keys, values, scale=self.scale)
         return out
 
     def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:

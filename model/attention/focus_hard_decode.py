@@ -13,10 +13,10 @@ import bisect
 from array import array
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.focus_hard_rows import additive, take_rows
+from model.attention.sdpa import sdpa_varying
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -199,7 +199,5 @@ def decode_hard_attention(
             far.append(idx)
         keys = torch.cat([*far, near])
         kb, vb = take_rows(k, b, keys)[None], take_rows(v, b, keys)[None]
-        outs.append(
-            F.scaled_dot_product_attention(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1])
-        )
+        outs.append(sdpa_varying(q[b : b + 1], kb, vb, scale=scale, enable_gqa=kb.shape[1] != q.shape[1]))
     return torch.cat(outs, 0)

@@ -14,6 +14,7 @@ from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
 from model.attention.flex import flex_attention_fn, flex_supports
+from model.attention.sdpa import sdpa_varying
 from model.documents import document_mask
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -118,6 +119,6 @@ def sdpa_causal(
     if tq == tk:  # training / prefill from position 0: the built-in causal mask is exact
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if tq == 1:  # decode: the one new query sees every cached key
-        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+        return sdpa_varying(q, k, v, scale=scale, enable_gqa=gqa)
     # chunked prefill onto a cache: SDPA's is_causal aligns top-left, so pass the mask
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=scale, enable_gqa=gqa)
+    return sdpa_varying(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=scale, enable_gqa=gqa)
