@@ -264,7 +264,7 @@ def bench_forward(
     return rows
 
 
-def _decode_step(module, case, q, k, v, hidden, cache, a: int, b: int, device) -> None:
+def _decode_step(module, q, k, v, hidden, cache, a: int, b: int, device) -> None:
     module(
         q[:, :, a:b],
         k[:, :, a:b],
@@ -298,7 +298,7 @@ def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipp
                         cache.append(k[:, :, :ctx], v[:, :, :ctx])
                     else:
                         for a in range(0, ctx, prefill_chunk):
-                            _decode_step(module, case, q, k, v, hidden, cache, a, min(ctx, a + prefill_chunk), device)
+                            _decode_step(module, q, k, v, hidden, cache, a, min(ctx, a + prefill_chunk), device)
             except (RuntimeError, MemoryError) as err:
                 skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {str(err).splitlines()[0][:160]}")
                 continue
@@ -312,7 +312,7 @@ def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipp
                             if device == "cuda":
                                 torch.cuda.synchronize()
                             t0 = time.perf_counter()
-                            _decode_step(module, case, q, k, v, hidden, cache, i, i + 1, device)
+                            _decode_step(module, q, k, v, hidden, cache, i, i + 1, device)
                             if device == "cuda":
                                 torch.cuda.synchronize()
                             if r >= 0:

@@ -65,6 +65,7 @@ from model.attention.dga_units import (  # noqa: F401  (re-exported)
     focal_count,
     sample_offsets,
 )
+from model.attention.flex import flex_attention_fn, flex_supports
 
 
 @register_attention("dga", DGAConfig)
@@ -233,7 +234,7 @@ class DynamicGroupAttention(GroupedKVCache):
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         comp, (ck, cv, avail) = self._compress_uncached(q, k, v, int(q_pos[-1]))
-        if _flex_ok(q):
+        if flex_supports(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})
         if self.cfg.selection == "causal":
@@ -322,8 +323,6 @@ class DynamicGroupAttention(GroupedKVCache):
         """One FlexAttention call over [compressed entries; raw keys] with appendix D's mask as a mask_mod."""
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from model.attention.flex import flex_attention_fn
-
         b, h, tq, _ = q.shape
         n, tk = ck.shape[2], k.shape[2]
         keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
@@ -364,9 +363,3 @@ class DynamicGroupAttention(GroupedKVCache):
             return {}
         full = (q_pos.to(counts.device) + 1).to(torch.float64)
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
-
-
-def _flex_ok(q: Tensor) -> bool:
-    from model.attention.flex import flex_supports
-
-    return flex_supports(q)

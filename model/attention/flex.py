@@ -32,7 +32,7 @@ def _flex_call(*args, **kwargs):
     return flex_attention(*args, **kwargs)
 
 
-def flex_attention_fn(compiled: bool, site: str = "flex"):
+def flex_attention_fn(compiled: bool, site: str):
     """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests).
 
     One compiled function per call ``site``, with dynamic shapes: dynamo's recompile budget (8) is per code object,

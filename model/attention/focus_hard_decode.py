@@ -42,28 +42,22 @@ class GroupLists:
         self.index = torch.zeros(batch, n_groups, capacity, dtype=torch.long, device=device)
         self._indexed = [[0] * n_groups for _ in range(batch)]  # members already written into ``index``
         self.length = 0  # tokens appended
-        self.last: list[int] | None = None  # after a one-token append: that token's membership word per sequence
         self.rows: GroupRows | None = None  # CPU decoding: the groups' keys and values, contiguous
 
     @property
-    def counts(self) -> list[list[int]]:
-        return [[len(p) for p in row] for row in self.pos]
-
-    @property
     def count(self) -> Tensor:
-        return torch.tensor(self.counts, dtype=torch.long, device=self.device)
+        """Members per (sequence, group), [B, K]."""
+        return torch.tensor([[len(p) for p in row] for row in self.pos], dtype=torch.long, device=self.device)
 
     def append(self, bits: Tensor) -> None:
         """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
         if bits.shape[1] == 1:  # decoding: a few appends, no tensor operation
-            self.last = [row[0] for row in bits.tolist()]
-            for b, word in enumerate(self.last):
+            for b, (word,) in enumerate(bits.tolist()):
                 for c in range(self.n_groups):
                     if (word >> c) & 1:
                         self.pos[b][c].append(self.length)
             self.length += 1
             return
-        self.last = None
         member = (bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1  # [B, t, K]
         for b in range(bits.shape[0]):
             group, token = torch.nonzero(member[b].T, as_tuple=True)  # by group, then position

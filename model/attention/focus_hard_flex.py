@@ -130,7 +130,6 @@ def flex_hard_attention(
     tk = k.shape[2]
     start = tk - tq
     gqa = k.shape[1] != h
-    attend = flex_attention_fn(compiled, "focus_group")
     # ---- same group, lowest shared group, causal on original positions, over group-sorted slots ----
     tok_q, grp_q = _group_layout(bits_q, n_groups)
     tok_k, grp_k = _group_layout(bits_k, n_groups)
@@ -155,8 +154,8 @@ def flex_hard_attention(
     )
     # one block of slots: eager (a dense 128 x 128 problem at most); inductor (torch 2.11) finds no kernel config
     # for some of these shapes with top_k > 1 (74 slots failed, 37 and 600 compiled)
-    attend_group = attend if tok_q.shape[1] > FLEX_BLOCK or tok_k.shape[1] > FLEX_BLOCK else flex_attention_fn(False)
-    o_s, aux = attend_group(
+    one_block = tok_q.shape[1] <= FLEX_BLOCK and tok_k.shape[1] <= FLEX_BLOCK
+    o_s, aux = flex_attention_fn(compiled and not one_block, "focus_group")(
         q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
     lse_s = aux.lse

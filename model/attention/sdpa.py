@@ -2,9 +2,9 @@
 
 On Hopper and newer GPUs torch 2.11 tries cuDNN's SDPA first, and cuDNN builds an execution plan for every new shape
 (FunASR issue 3704 measured 0.44 s per new shape on a B200). Decoding changes the key length with every token. On an
-H100 this project measured 43.6 ms per decode token of full attention at a 16K context (docs/benchmarks.md), where one
-attention call over 16K keys takes tens of microseconds. These calls therefore leave cuDNN out; fixed-shape training
-calls keep torch's choice.
+H100 this project measured 43.6 ms per decode token of full attention at a 16K context (docs/benchmarks.md), far above
+what reading 16K keys and values should take (an estimate, not a measurement: 16 MiB in bf16 at ~3 TB/s is ~5 us).
+These calls therefore leave cuDNN out; fixed-shape training calls keep torch's choice.
 """
 
 from __future__ import annotations
