@@ -25,6 +25,8 @@ generation equals the full forward.
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,7 +40,7 @@ from model.attention.focus_hard import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus_hard_flex import flex_hard_attention
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence, sinkhorn_token_host
 from model.errors import ConfigError, check_choice, check_min, check_range
 
 SCOPES = ("prefix", "sequence")
@@ -109,6 +111,14 @@ def lambda_at(cfg: FocusConfig, step: int, max_steps: int) -> float:
     return cfg.lambda_init + (cfg.lambda_end - cfg.lambda_init) * frac
 
 
+def _top_k_word(g: Sequence[float], top_k: int) -> int:
+    """The membership word of one assignment: bits of its top_k groups, ties to the lower group (as
+    ``membership_bits``)."""
+    if top_k == 1:  # max returns the first of tied maxima
+        return 1 << max(range(len(g)), key=g.__getitem__)
+    return sum(1 << c for c in sorted(range(len(g)), key=g.__getitem__, reverse=True)[:top_k])  # a stable sort
+
+
 @register_attention("focus", FocusConfig)
 class FocusAttention(Attention):
     description = "Focus: Sinkhorn-balanced centroids, causal prefix scope (docs/focus.md)"
@@ -172,11 +182,15 @@ class FocusAttention(Attention):
         if cache is not None and hidden.shape[1] == 1 and not torch.is_grad_enabled():
             # decoding: one map through (C W_g) / tau, folded once per cache (the weights do not change while one
             # cache decodes), as a product and a sum (three operations; a batched matmul here takes seven)
-            fold = cache.extra.get("focus_fold")
-            if fold is None or fold.dtype != dtype:
-                fold = cache.extra["focus_fold"] = (self.centroids.to(dtype) @ self.w_g.weight.to(dtype)) / self.cfg.tau
-            return (hidden.to(dtype).unsqueeze(2) * fold).sum(-1)  # [B, 1, 1, d] x [K, d] -> [B, 1, K]
+            return (hidden.to(dtype).unsqueeze(2) * self._fold(cache, dtype)).sum(-1)  # [B, 1, 1, d] x [K, d]
         return (self.w_g(hidden).to(dtype) @ self.centroids.to(dtype).T) / self.cfg.tau
+
+    def _fold(self, cache: KVCache, dtype: torch.dtype) -> Tensor:
+        """(C W_g) / tau [K, d_model], folded once per cache (the weights do not change while one cache decodes)."""
+        fold = cache.extra.get("focus_fold")
+        if fold is None or fold.dtype != dtype:
+            fold = cache.extra["focus_fold"] = (self.centroids.to(dtype) @ self.w_g.weight.to(dtype)) / self.cfg.tau
+        return fold
 
     def assignments(self, hidden: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
         """(g of the new tokens [B, Tq, K], g of every key [B, Tk, K]), caching what decoding needs."""
@@ -242,6 +256,11 @@ class FocusAttention(Attention):
         return flex_supports(q)
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        if self._host_decodes(q, k, q_pos, cache):
+            assert cache is not None  # checked there
+            host = self._hard_decode_host(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+            if host is not None:
+                return host
         g_q, g_k = self.assignments(hidden, cache)
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
@@ -270,6 +289,55 @@ class FocusAttention(Attention):
         if ends_keys and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes():
             return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
         return hard_attention(q, k, v, q_pos=q_pos, **common)
+
+    def _host_decodes(self, q: Tensor, k: Tensor, q_pos: Tensor, cache: KVCache | None) -> bool:
+        """Whether this call is one CPU hard-mode decode step without autograd after a prefill, whose assignment
+        ``_hard_decode_host`` computes on host floats."""
+        cfg = self.cfg
+        if cache is None or q.shape[2] != 1 or cfg.mode != "hard" or cfg.assignment != "sinkhorn":
+            return False
+        lists, tk = cache.extra.get("focus_lists"), k.shape[2]
+        if lists is None or lists.length != tk - 1 or cfg.sinkhorn_scope != "prefix" or torch.is_grad_enabled():
+            return False
+        cpu = q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and "focus_sinkhorn" in cache.extra
+        return cpu and int(q_pos[0]) == tk - 1
+
+    def _hard_decode_host(self, q, k, v, *, hidden, q_pos, k_pos, cache: KVCache) -> AttnOut | None:
+        """One hard-mode decode step whose scores -> Sinkhorn -> top-k memberships run on host floats (a decode step
+        is a few kernels around a fixed cost of small operations; this removes ~35 of them), then
+        ``cpu_decode_hard_attention``. Equal to ``assignments`` + ``_memberships`` + ``hard_fast`` (the assignment
+        rounded to its tensor dtype before the top-k, as there). None, with nothing written, for a non-finite
+        score or mass."""
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        state = cache.extra["focus_sinkhorn"]
+        if state.dtype != dtype:
+            return None
+        code = "d" if dtype == torch.float64 else "f"
+        fold, flat = self._fold(cache, dtype), hidden.to(dtype).view(hidden.shape[0], -1)
+        # [B, K]; one sequence as a matrix-vector product (the shortest call: the batched forms cost 2-8x in situ)
+        scores = torch.mv(fold, flat[0])[None] if flat.shape[0] == 1 else flat @ fold.T
+        g_flat: array[float] = array(code)
+        masses: array[float] = array(code)
+        words = []
+        for row, earlier in zip(scores.tolist(), state.tolist()):
+            token = sinkhorn_token_host(row, earlier)
+            if token is None:
+                return None
+            g = array(code, token[0])  # as stored, so that the top-k sees the same ties
+            g_flat.extend(g)
+            masses.extend(token[1])
+            words.append(_top_k_word(g, self.cfg.top_k))
+        b, n_groups = q.shape[0], self.cfg.n_groups
+        g_q = torch.frombuffer(g_flat, dtype=dtype).view(b, 1, n_groups)
+        cache.extra["focus_sinkhorn"] = torch.frombuffer(masses, dtype=dtype).view(state.shape)
+        g_k = self._cached(cache, "focus_g", g_q)
+        bits_k = self._cached(cache, "focus_bits", torch.frombuffer(array("q", words), dtype=torch.long).view(b, 1))
+        lists: GroupLists = cache.extra["focus_lists"]
+        lists.append_words(words)
+        out = cpu_decode_hard_attention(
+            q, k, v, bits_q=bits_k[:, -1:], bits_k=bits_k, lists=lists, window=self.cfg.window, scale=self._scale()
+        )
+        return self._out(out, g_q, g_k, q_pos, k_pos, cache)
 
     def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
         """Soft-gated attention as one FlexAttention call. Lambda is folded into the captured per-token vectors

@@ -3,8 +3,9 @@ per-group member lists kept with the KV cache (see ``focus_hard``'s docstring).
 
 A decode step is a few kernel calls around a fixed cost of small operations (at batch 1 the small operations took
 as long as the kernels), so the lists are Python-side int64 arrays (append and bisection without tensor
-operations), and the CPU path copies a group's keys into its contiguous rows only when a member leaves the window
-that is not there yet (then every member so far: about one copy per group per ``window`` tokens).
+operations), and the CPU path reads a group as one contiguous buffer: a ring copy of the window, then the group's
+members, copied in only when a member leaves the window that is not there yet (then every member so far: about one
+copy per group per ``window`` tokens).
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from model.attention.focus_hard_rows import additive, take_rows
 from model.attention.sdpa import sdpa_varying
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+# CPU decoding reads the whole cache under a mask once the token's groups and window hold this share of the keys
+# (top_k = 2 of 4 groups: ~100%, read in two calls, 1.45x full attention; one masked call: ~1.0x)
+DENSE_SHARE = 0.75
 
 
 def _as_index(positions: array, device: torch.device) -> Tensor:
@@ -52,11 +56,7 @@ class GroupLists:
     def append(self, bits: Tensor) -> None:
         """bits [B, t]: memberships of the tokens at positions [length, length + t)."""
         if bits.shape[1] == 1:  # decoding: a few appends, no tensor operation
-            for b, (word,) in enumerate(bits.tolist()):
-                for c in range(self.n_groups):
-                    if (word >> c) & 1:
-                        self.pos[b][c].append(self.length)
-            self.length += 1
+            self.append_words([word for (word,) in bits.tolist()])
             return
         member = (bits[:, :, None] >> torch.arange(self.n_groups, device=bits.device)) & 1  # [B, t, K]
         for b in range(bits.shape[0]):
@@ -67,6 +67,14 @@ class GroupLists:
                 self.pos[b][c].extend(tokens[start : start + n])
                 start += n
         self.length += bits.shape[1]
+
+    def append_words(self, words: list[int]) -> None:
+        """One token per sequence: its membership word, per sequence (decoding)."""
+        for b, word in enumerate(words):
+            for c in range(self.n_groups):
+                if (word >> c) & 1:
+                    self.pos[b][c].append(self.length)
+        self.length += 1
 
     def members(self, b: int, c: int, count: int) -> Tensor:
         """The first ``count`` members of group c of sequence b, [count] on the lists' device."""
@@ -82,38 +90,67 @@ class GroupLists:
 
 
 class GroupRows:
-    """Per (sequence, group): the keys and values of the group's first ``stored`` members, [1, Hkv, capacity, D],
-    contiguous and in position order (and their membership words, for top_k > 1), copied from the KV cache by
-    ``fill``. CPU decoding reads a group's far keys as one slice. Costs top_k times the raw keys and values (plus
-    growth room)."""
+    """CPU decoding once the window is full, per (sequence, group): one buffer [1, Hkv, window + capacity, D] of keys
+    (and one of values) holding a copy of the window, then the group's first ``stored`` members in position order
+    (and their membership words, for top_k > 1). A token of the group reads ``[window copy | members before the
+    window]`` as one contiguous slice: one kernel call, as attention over a set of keys does not depend on their
+    order. The window copy is a ring (position p in slot p % window) brought up to date when the group is read, so
+    it copies only the tokens decoded since (about n_groups / top_k per read). Costs top_k times the raw keys and
+    values (plus growth room and n_groups windows)."""
 
-    def __init__(self, batch: int, n_groups: int):
+    def __init__(self, batch: int, n_groups: int, window: int):
+        self.window = window
         self.k: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
         self.v: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
         self.bits: list[list[Tensor | None]] = [[None] * n_groups for _ in range(batch)]
         self.stored = [[0] * n_groups for _ in range(batch)]
+        self.synced = [[0] * n_groups for _ in range(batch)]  # the ring holds the window of the first synced keys
 
     def fill(self, lists: GroupLists, b: int, c: int, k: Tensor, v: Tensor, bits_k: Tensor) -> None:
         """Copy in every member of group c of sequence b not stored yet (k, v: [B, Hkv, Tk, D] and bits_k [B, Tk],
         the cache so far, holding every listed member)."""
         pos = lists.pos[b][c]
         have, count = self.stored[b][c], len(pos)
+        kb, vb, bb = self._room(b, c, k, v, bits_k, count)
         if count == have:
             return
-        kb, vb, bb = self.k[b][c], self.v[b][c], self.bits[b][c]
-        if kb is None or vb is None or bb is None or kb.shape[2] < count:
-            cap = max(count + 64, int(1.5 * (0 if kb is None else kb.shape[2])))
-            grown_k = k.new_empty(1, k.shape[1], cap, k.shape[3])
-            grown_v = v.new_empty(1, v.shape[1], cap, v.shape[3])
-            grown_b = bits_k.new_empty(cap)
-            if kb is not None and vb is not None and bb is not None:
-                grown_k[:, :, :have], grown_v[:, :, :have], grown_b[:have] = kb[:, :, :have], vb[:, :, :have], bb[:have]
-            self.k[b][c], self.v[b][c], self.bits[b][c] = kb, vb, bb = grown_k, grown_v, grown_b
-        new = _as_index(pos[have:count], k.device)
-        kb[0, :, have:count] = take_rows(k, b, new)
-        vb[0, :, have:count] = take_rows(v, b, new)
+        new, w = _as_index(pos[have:count], k.device), self.window
+        kb[0, :, w + have : w + count] = take_rows(k, b, new)
+        vb[0, :, w + have : w + count] = take_rows(v, b, new)
         bb[have:count] = bits_k[b].index_select(0, new)
         self.stored[b][c] = count
+
+    def sync(self, b: int, c: int, k: Tensor, v: Tensor) -> None:
+        """Bring the window copy of (b, c) up to the cache's Tk keys (Tk >= window)."""
+        w, tk = self.window, k.shape[2]
+        start = max(self.synced[b][c], tk - w)
+        kb, vb = self.k[b][c], self.v[b][c]
+        assert kb is not None and vb is not None  # allocated by fill
+        if k.shape[0] > 1:
+            k, v = k[b : b + 1], v[b : b + 1]
+        while start < tk:  # at most two runs: up to the ring's end, then from its start (narrow: one view each)
+            slot = start % w
+            n = min(tk - start, w - slot)
+            kb.narrow(2, slot, n).copy_(k.narrow(2, start, n))
+            vb.narrow(2, slot, n).copy_(v.narrow(2, start, n))
+            start += n
+        self.synced[b][c] = tk
+
+    def _room(self, b: int, c: int, k: Tensor, v: Tensor, bits_k: Tensor, count: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The buffers of (b, c), grown (window copy and stored rows kept) to hold ``count`` members."""
+        kb, vb, bb, w = self.k[b][c], self.v[b][c], self.bits[b][c], self.window
+        if kb is not None and vb is not None and bb is not None and bb.shape[0] >= count:
+            return kb, vb, bb
+        cap = max(count + 64, int(1.5 * (0 if bb is None else bb.shape[0])))
+        grown_k = k.new_empty(1, k.shape[1], w + cap, k.shape[3])
+        grown_v = v.new_empty(1, v.shape[1], w + cap, v.shape[3])
+        grown_b = bits_k.new_empty(cap)
+        if kb is not None and vb is not None and bb is not None:
+            keep = w + self.stored[b][c]
+            grown_k[:, :, :keep], grown_v[:, :, :keep] = kb[:, :, :keep], vb[:, :, :keep]
+            grown_b[: self.stored[b][c]] = bb[: self.stored[b][c]]
+        self.k[b][c], self.v[b][c], self.bits[b][c] = grown_k, grown_v, grown_b
+        return grown_k, grown_v, grown_b
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
@@ -135,37 +172,55 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
 def cpu_decode_hard_attention(
     q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, lists: GroupLists, window: int, scale: float
 ) -> Tensor:
-    """``decode_hard_attention`` on the CPU kernel, reading each of the token's groups' far keys as one contiguous
-    slice of ``GroupRows`` (kept in ``lists.rows``) and the window as a slice of the cache; the parts (window, one per
-    group) merge by logsumexp. With top_k > 1 a far key also in a lower group of the token is masked in the higher
-    one. No autograd (the kernel's logsumexp has no gradient): the caller uses ``decode_hard_attention`` then."""
+    """``decode_hard_attention`` on the CPU kernel. Once the window is full, the token's first group is read as one
+    contiguous slice of ``GroupRows`` (kept in ``lists.rows``): the window copy and the group's members before the
+    window, one kernel call; each further group (top_k > 1) is one more call over its members before the window,
+    a key also in a lower group of the token masked there, merged by logsumexp. No autograd (the kernel's
+    logsumexp has no gradient): the caller uses ``decode_hard_attention`` then."""
     b_size, tk = q.shape[0], k.shape[2]
-    lo = max(0, tk - window)  # keys [lo, tk) are inside the window: all allowed
-    if lists.rows is None:
-        lists.rows = GroupRows(b_size, lists.n_groups)
+    lo = tk - window  # keys [lo, tk) are inside the window: all allowed
+    if lo <= 0:  # every key is inside the window
+        return _FWD(q, k, v, 0.0, False, scale=scale)[0]
+    if lists.rows is None or lists.rows.window != window:
+        lists.rows = GroupRows(b_size, lists.n_groups, window)
     rows = lists.rows
     outs = []
     for b, (own,) in enumerate(bits_q.tolist()):
-        qb, kb, vb = (q, k, v) if b_size == 1 else (q[b : b + 1], k[b : b + 1], v[b : b + 1])
-        parts = [_FWD(qb, kb[:, :, lo:], vb[:, :, lo:], 0.0, False, scale=scale)]
-        for c in range(lists.n_groups):
-            if not (own >> c) & 1:
+        qb = q if b_size == 1 else q[b : b + 1]
+        groups = [c for c in range(lists.n_groups) if (own >> c) & 1]
+        far = [bisect.bisect_left(lists.pos[b][c], lo) for c in groups]  # members before the window
+        if window + sum(far) >= DENSE_SHARE * tk:  # the groups hold most keys: one masked call over the cache
+            kb, vb = (k, v) if b_size == 1 else (k[b : b + 1], v[b : b + 1])
+            allowed = (bits_k[b] & own) != 0
+            allowed[lo:] = True
+            mask = additive(allowed, q.dtype)[None, None, None]
+            outs.append(_FWD(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)[0])
+            continue
+        parts: list[tuple[Tensor, Tensor]] = []
+        for c, n_far in zip(groups, far):
+            if not parts:  # the token's first group: the window copy and its far members, one call
+                if rows.stored[b][c] < n_far or rows.k[b][c] is None:
+                    rows.fill(lists, b, c, k, v, bits_k)
+                rows.sync(b, c, k, v)
+                kr, vr = rows.k[b][c], rows.v[b][c]
+                assert kr is not None and vr is not None  # filled above
+                parts.append(_FWD(qb, kr[:, :, : window + n_far], vr[:, :, : window + n_far], 0.0, False, scale=scale))
                 continue
-            n_far = bisect.bisect_left(lists.pos[b][c], lo)  # members before the window
             if n_far == 0:
                 continue
             if rows.stored[b][c] < n_far:
                 rows.fill(lists, b, c, k, v, bits_k)
             kr, vr, br = rows.k[b][c], rows.v[b][c], rows.bits[b][c]
             assert kr is not None and vr is not None and br is not None  # filled above
-            mask = None
-            lower = own & ((1 << c) - 1)
-            if lower:  # a key also in a lower group of the token was taken there
-                dup = (br[:n_far] & lower) != 0
-                if bool(dup.all()):
-                    continue
-                mask = additive(~dup, q.dtype)[None, None, None]
-            parts.append(_FWD(qb, kr[:, :, :n_far], vr[:, :, :n_far], 0.0, False, attn_mask=mask, scale=scale))
+            dup = (br[:n_far] & (own & ((1 << c) - 1))) != 0  # also in a lower group of the token: taken there
+            if bool(dup.all()):
+                continue
+            mask = additive(~dup, q.dtype)[None, None, None]
+            far_k, far_v = kr[:, :, window : window + n_far], vr[:, :, window : window + n_far]
+            parts.append(_FWD(qb, far_k, far_v, 0.0, False, attn_mask=mask, scale=scale))
+        if not parts:  # a token in no group: the window only
+            kb, vb = (k, v) if b_size == 1 else (k[b : b + 1], v[b : b + 1])
+            parts.append(_FWD(qb, kb[:, :, lo:], vb[:, :, lo:], 0.0, False, scale=scale))
         outs.append(_merge(parts))
     out = outs[0] if b_size == 1 else torch.cat(outs, 0)
     return out if out.dtype == q.dtype else out.to(q.dtype)

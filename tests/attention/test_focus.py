@@ -16,7 +16,13 @@ from model.attention import LayerSpec, build_attention
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig, lambda_at
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import group_imbalance, logcumsumexp, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.sinkhorn import (
+    group_imbalance,
+    logcumsumexp,
+    sinkhorn_prefix,
+    sinkhorn_sequence,
+    sinkhorn_token_host,
+)
 from model.config import ModelConfig
 from model.errors import ConfigError
 from model.transformer import Transformer
@@ -96,6 +102,25 @@ def test_prefix_sinkhorn_float32_matches_float64():
     a32, st32 = sinkhorn_prefix(s.float(), 10)
     torch.testing.assert_close(a32.double(), a64, atol=1e-5, rtol=0)
     torch.testing.assert_close(st32.double(), st64, atol=1e-4, rtol=1e-6)
+
+
+def test_host_token_sinkhorn_equals_the_tensor_prefix_sinkhorn():
+    """Decoding's host-float Sinkhorn of one token against ``sinkhorn_prefix`` in float64 (peaked scores, as at
+    tau = 0.1, after 300 earlier tokens); a non-finite score or mass gives None (the tensor path takes over)."""
+    s = torch.randn(2, 301, 8, dtype=torch.float64) * 10
+    full, full_state = sinkhorn_prefix(s, 10)
+    _, state = sinkhorn_prefix(s[:, :300], 10)
+    for b in range(2):
+        token = sinkhorn_token_host(s[b, 300].tolist(), state[b].tolist())
+        assert token is not None
+        assignment, masses = token
+        torch.testing.assert_close(torch.tensor(assignment, dtype=torch.float64), full[b, 300], atol=1e-13, rtol=0)
+        masses_t = torch.tensor(masses, dtype=torch.float64).view(10, 8)
+        torch.testing.assert_close(masses_t, full_state[b], atol=1e-11, rtol=0)
+    bad = s[0, 300].tolist()
+    bad[3] = math.inf
+    assert sinkhorn_token_host(bad, state[0].tolist()) is None
+    assert sinkhorn_token_host(s[0, 300].tolist(), [[math.nan] * 8] * 10) is None
 
 
 # ---- exact hard inference ---------------------------------------------------------------

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import KVCache, LayerSpec, build_attention
+from model.attention import KVCache, LayerSpec, build_attention, focus_hard_decode
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
@@ -147,10 +147,18 @@ def test_cpu_path_chunked_prefill_and_decode(top_k, split):
 
 
 # ---- decode from per-group index lists ---------------------------------------------------------------------------
-@pytest.mark.parametrize("decode", [decode_hard_attention, cpu_decode_hard_attention], ids=["gather", "cpu-rows"])
+@pytest.mark.parametrize(
+    "decode,dense_share",
+    [(decode_hard_attention, None), (cpu_decode_hard_attention, 2.0), (cpu_decode_hard_attention, 0.0)],
+    ids=["gather", "cpu-rows", "cpu-masked-cache"],
+)
 @pytest.mark.parametrize("top_k", [1, 2, 3])
 @pytest.mark.parametrize("kind", ["balanced", "collapsed"])
-def test_decode_from_group_lists_equals_dense(top_k, kind, decode):
+def test_decode_from_group_lists_equals_dense(top_k, kind, decode, dense_share, monkeypatch):
+    """Every decode path against the dense mask; the CPU path both ways: per-group rows (window copy included) and
+    one masked call over the cache (taken when the token's groups hold most keys, forced here)."""
+    if dense_share is not None:
+        monkeypatch.setattr(focus_hard_decode, "DENSE_SHARE", dense_share)
     b, t, n_groups = 2, 200, 4
     q, k, v = inputs(b, t, torch.float64, seed=3)
     bits = memberships(kind, b, t, n_groups, top_k, seed=top_k + 20)
@@ -208,6 +216,47 @@ def test_module_prefill_chunks_and_decode_equal_full_forward(top_k):
             )
         assert cache.extra["focus_lists"].length == t
     assert_exact32(torch.cat(pieces, 2), reference, "chunked prefill + decode")
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_host_decode_step_equals_the_tensor_decode_step(top_k, monkeypatch):
+    """A CPU hard-mode decode step computes scores -> Sinkhorn -> memberships on host floats
+    (``FocusAttention._hard_decode_host``). Against the same module with that path switched off: equal outputs, and
+    equal cache contents (Sinkhorn state, assignments, membership words, per-group lists), token after token."""
+    cfg = FocusConfig(n_groups=4, window=16, mode="hard", top_k=top_k)
+    module = build_attention("focus", cfg, SPEC).eval()
+    with torch.no_grad():
+        module.centroids.mul_(3.0)
+    b, t = 2, 120
+    q, k, v, hidden = random_inputs(SPEC, b, t, torch.float32, seed=5)
+    pos = torch.arange(t)
+    host_calls = []
+    original = type(module)._hard_decode_host
+
+    def spy(self, *args, **kwargs):
+        host_calls.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(module), "_hard_decode_host", spy)
+    caches, outs = [], []
+    for host in (True, False):
+        if not host:
+            monkeypatch.setattr(type(module), "_host_decodes", lambda self, *args: False)
+        cache = KVCache(b, SPEC.n_kv_heads, SPEC.head_dim, t, dtype=torch.float32, device="cpu")
+        pieces = []
+        with torch.no_grad():
+            for lo, hi in ((0, 64), *((p, p + 1) for p in range(64, t))):
+                chunk = dict(hidden=hidden[:, lo:hi], positions=pos[lo:hi], cache=cache)
+                pieces.append(module(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], **chunk).output)
+        caches.append(cache)
+        outs.append(torch.cat(pieces, 2))
+    assert len(host_calls) == t - 64, "every decode step after the prefill takes the host path"
+    assert_exact32(outs[0], outs[1], "host decode")
+    host, tensor = caches
+    torch.testing.assert_close(host.extra["focus_sinkhorn"], tensor.extra["focus_sinkhorn"], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(host.extra["focus_g"], tensor.extra["focus_g"], atol=1e-5, rtol=0)  # float32 path
+    assert host.extra["focus_bits"].equal(tensor.extra["focus_bits"])
+    assert host.extra["focus_lists"].pos == tensor.extra["focus_lists"].pos
 
 
 # ---- GPU form through FlexAttention's eager implementation -------------------------------------------------------
