@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import KVCache, LayerSpec, build_attention, focus_hard_decode
+from model.attention import KVCache, LayerSpec, build_attention, focus_hard, focus_hard_decode
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
@@ -113,9 +113,19 @@ def test_cpu_path_equals_dense_reference_float32(n_groups, kind):
                 assert err <= 1e-5 * max(1.0, scale), f"{what}: d{name} max error {err:.3g} (max |grad| {scale:.3g})"
 
 
+@pytest.fixture(params=["one-key-block", "key-blocks-of-16"])
+def class_keys(request, monkeypatch):
+    """The class split's key blocks: one block per read (as at short lengths), or blocks of 16 keys (reads that
+    span several blocks, as at long ones)."""
+    if request.param == "key-blocks-of-16":
+        monkeypatch.setattr(focus_hard, "KEY_BLOCK_MIN", 16)
+        monkeypatch.setattr(focus_hard, "KEY_BLOCK_SHARE", 10**6)
+    return request.param
+
+
 @pytest.mark.parametrize("split", ["class", "group"])
 @pytest.mark.parametrize("kind", ["balanced", "collapsed"])
-def test_cpu_path_gradients_float64(kind, split):
+def test_cpu_path_gradients_float64(kind, split, class_keys):
     """Both ways of making the group parts disjoint: per query class, and each pair in its lowest shared group."""
     b, t, window, n_groups = 2, 300, 16, 4
     q, k, v = inputs(b, t, torch.float64, seed=5)
@@ -130,7 +140,7 @@ def test_cpu_path_gradients_float64(kind, split):
 
 @pytest.mark.parametrize("split", ["class", "group"])
 @pytest.mark.parametrize("top_k", [1, 2, 3])
-def test_cpu_path_chunked_prefill_and_decode(top_k, split):
+def test_cpu_path_chunked_prefill_and_decode(top_k, split, class_keys):
     """Queries are the last Tq of the keys (a cache): decode, short chunks, chunks longer than the window."""
     b, t, n_groups = 2, 300, 4
     q, k, v = inputs(b, t, torch.float64, seed=7)
