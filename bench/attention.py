@@ -88,6 +88,9 @@ CASES: list[Case] = [
 
 
 def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
+    """The case's module, its parameters drawn from a fixed seed: the timing runs, the memory child and the decode
+    runs measure the same weights (Focus's groups, and so its cost, depend on its random centroids)."""
+    torch.manual_seed(0)
     cfg = registry[kind].config_cls(**options)
     if hasattr(cfg, "validate"):
         takes_prefix = len(inspect.signature(cfg.validate).parameters) > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from bench.attention import main
+from bench.attention import main, make
 
 
 def test_bench_attention_small_run_writes_forward_and_interleaved_decode_rows(tmp_path, capsys):
@@ -24,3 +24,16 @@ def test_bench_attention_small_run_writes_forward_and_interleaved_decode_rows(tm
     assert focus["ms_per_token"] > 0 and focus["cache_bytes"] > decode["full (SDPA)"]["cache_bytes"]
     printed = capsys.readouterr().out
     assert "median of 2 rounds x 3 tokens" in printed and "| focus hard k=1 (K=8, w=128) | 300 |" in printed
+
+
+def test_every_measurement_builds_a_case_with_the_same_weights():
+    """The timing runs, the memory child and the decode runs each build their own module: the same weights (Focus's
+    groups, and so its cost and memory, follow its random centroids)."""
+    import torch
+
+    first, second = (make("focus", dict(n_groups=8, top_k=1, mode="hard"), 64, "cpu", torch.float32) for _ in range(2))
+    torch.rand(7)  # the global generator moves between builds
+    third = make("focus", dict(n_groups=8, top_k=1, mode="hard"), 64, "cpu", torch.float32)
+    for module in (second, third):
+        for (name, a), b in zip(first.state_dict().items(), module.state_dict().values()):
+            assert a.equal(b), name
