@@ -25,14 +25,13 @@ generation equals the full forward.
 from __future__ import annotations
 
 import math
-from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from model.attention import focus_decode_host as host_decode
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_supports
@@ -40,7 +39,7 @@ from model.attention.focus_hard import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus_hard_flex import flex_hard_attention
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence, sinkhorn_token_host
+from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
 from model.errors import ConfigError, check_choice, check_min, check_range
 
 SCOPES = ("prefix", "sequence")
@@ -109,14 +108,6 @@ def lambda_at(cfg: FocusConfig, step: int, max_steps: int) -> float:
     elif cfg.lambda_schedule == "constant":
         frac = 0.0
     return cfg.lambda_init + (cfg.lambda_end - cfg.lambda_init) * frac
-
-
-def _top_k_word(g: Sequence[float], top_k: int) -> int:
-    """The membership word of one assignment: bits of its top_k groups, ties to the lower group (as
-    ``membership_bits``)."""
-    if top_k == 1:  # max returns the first of tied maxima
-        return 1 << max(range(len(g)), key=g.__getitem__)
-    return sum(1 << c for c in sorted(range(len(g)), key=g.__getitem__, reverse=True)[:top_k])  # a stable sort
 
 
 @register_attention("focus", FocusConfig)
@@ -194,6 +185,7 @@ class FocusAttention(Attention):
 
     def assignments(self, hidden: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
         """(g of the new tokens [B, Tq, K], g of every key [B, Tk, K]), caching what decoding needs."""
+        host_decode.flush(cache)  # the tensors hold every token's state from here on
         s = self.group_scores(hidden, cache)
         cfg = self.cfg
         if cfg.assignment == "softmax" or cfg.sinkhorn_scope == "prefix":
@@ -299,45 +291,51 @@ class FocusAttention(Attention):
         lists, tk = cache.extra.get("focus_lists"), k.shape[2]
         if lists is None or lists.length != tk - 1 or cfg.sinkhorn_scope != "prefix" or torch.is_grad_enabled():
             return False
-        cpu = q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and "focus_sinkhorn" in cache.extra
-        return cpu and int(q_pos[0]) == tk - 1
+        state = host_decode.KEY in cache.extra or "focus_sinkhorn" in cache.extra
+        return state and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and int(q_pos[0]) == tk - 1
 
     def _hard_decode_host(self, q, k, v, *, hidden, q_pos, k_pos, cache: KVCache) -> AttnOut | None:
-        """One hard-mode decode step whose scores -> Sinkhorn -> top-k memberships run on host floats (a decode step
-        is a few kernels around a fixed cost of small operations; this removes ~35 of them), then
-        ``cpu_decode_hard_attention``. Equal to ``assignments`` + ``_memberships`` + ``hard_fast`` (the assignment
-        rounded to its tensor dtype before the top-k, as there). None, with nothing written, for a non-finite
-        score or mass."""
+        """One hard-mode decode step whose scores -> Sinkhorn -> top-k memberships run on host floats
+        (``focus_decode_host``), then ``cpu_decode_hard_attention``. Equal to ``assignments`` + ``_memberships`` +
+        ``hard_fast`` (the assignment rounded to its tensor dtype before the top-k, as there). None, with nothing
+        changed, where the tensor path must run (a non-finite score or mass, another dtype)."""
         dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        state = cache.extra["focus_sinkhorn"]
-        if state.dtype != dtype:
-            return None
-        code = "d" if dtype == torch.float64 else "f"
-        fold, flat = self._fold(cache, dtype), hidden.to(dtype).view(hidden.shape[0], -1)
-        # [B, K]; one sequence as a matrix-vector product (the shortest call: the batched forms cost 2-8x in situ)
-        scores = torch.mv(fold, flat[0])[None] if flat.shape[0] == 1 else flat @ fold.T
-        g_flat: array[float] = array(code)
-        masses: array[float] = array(code)
-        words = []
-        for row, earlier in zip(scores.tolist(), state.tolist()):
-            token = sinkhorn_token_host(row, earlier)
-            if token is None:
+        host = cache.extra.get(host_decode.KEY)
+        if host is None:
+            state = cache.extra["focus_sinkhorn"]
+            if not host_decode.HostDecode.accepts(state, dtype):
                 return None
-            g = array(code, token[0])  # as stored, so that the top-k sees the same ties
-            g_flat.extend(g)
-            masses.extend(token[1])
-            words.append(_top_k_word(g, self.cfg.top_k))
-        b, n_groups = q.shape[0], self.cfg.n_groups
-        g_q = torch.frombuffer(g_flat, dtype=dtype).view(b, 1, n_groups)
-        cache.extra["focus_sinkhorn"] = torch.frombuffer(masses, dtype=dtype).view(state.shape)
-        g_k = self._cached(cache, "focus_g", g_q)
-        bits_k = self._cached(cache, "focus_bits", torch.frombuffer(array("q", words), dtype=torch.long).view(b, 1))
+            host = host_decode.HostDecode(state, start=cache.length - 1)
+        elif host.dtype != dtype:
+            return None
+        # [B][K]; one sequence as a matrix-vector product (the shortest call: the batched forms cost 2-8x in situ)
+        fold, b_size = self._fold(cache, dtype), hidden.shape[0]
+        if b_size == 1:
+            scores = [torch.mv(fold, hidden.reshape(-1).to(dtype)).tolist()]
+        else:
+            scores = (hidden.reshape(b_size, -1).to(dtype) @ fold.T).tolist()
+        words = host.step(scores, self.cfg.top_k)
+        if words is None:
+            return None
+        if cache.extra.pop("focus_sinkhorn", None) is not None:  # the host holds the state from here on
+            cache.extra[host_decode.KEY] = host
         lists: GroupLists = cache.extra["focus_lists"]
         lists.append_words(words)
         out = cpu_decode_hard_attention(
-            q, k, v, bits_q=bits_k[:, -1:], bits_k=bits_k, lists=lists, window=self.cfg.window, scale=self._scale()
-        )
-        return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+            q, k, v, bits_q=None, words=words, bits_k=lambda: host.bits(cache), lists=lists, window=self.cfg.window,
+            scale=self._scale(),
+        )  # fmt: skip
+        length = cache.length
+        if not (self.training or self.reference_batch or self.collect_stats):
+            return AttnOut(out)  # what ``_out`` returns here, without the assignments
+        host.flush(cache)
+        g_k = cache.extra["focus_g"][:, :length]
+        return self._out(out, g_k[:, -1:], g_k, q_pos, k_pos, cache)
+
+    def flush_cache(self, cache: KVCache) -> None:
+        """Write what host-side decoding keeps outside the cache's tensors into them (the tensor paths do this
+        themselves; for code that reads ``cache.extra`` directly)."""
+        host_decode.flush(cache)
 
     def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
         """Soft-gated attention as one FlexAttention call. Lambda is folded into the captured per-token vectors

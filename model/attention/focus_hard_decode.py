@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 from array import array
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -170,13 +171,19 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> Tensor:
 
 
 def cpu_decode_hard_attention(
-    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, lists: GroupLists, window: int, scale: float
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor | None, bits_k: Tensor | Callable[[], Tensor],
+    lists: GroupLists, window: int, scale: float, words: list[int] | None = None,
+) -> Tensor:  # fmt: skip
     """``decode_hard_attention`` on the CPU kernel. Once the window is full, the token's first group is read as one
     contiguous slice of ``GroupRows`` (kept in ``lists.rows``): the window copy and the group's members before the
     window, one kernel call; each further group (top_k > 1) is one more call over its members before the window,
-    a key also in a lower group of the token masked there, merged by logsumexp. No autograd (the kernel's
-    logsumexp has no gradient): the caller uses ``decode_hard_attention`` then."""
+    a key also in a lower group of the token masked there, merged by logsumexp. When the window and the token's
+    groups hold DENSE_SHARE of the keys, one masked call over the cache instead. No autograd (the kernel's
+    logsumexp has no gradient): the caller uses ``decode_hard_attention`` then.
+
+    ``words``: the tokens' membership words, when the caller has them on the host (else read from ``bits_q``).
+    ``bits_k`` may be a function returning it, called only when a step reads the keys' words (a fill of group
+    rows, a masked call)."""
     b_size, tk = q.shape[0], k.shape[2]
     lo = tk - window  # keys [lo, tk) are inside the window: all allowed
     if lo <= 0:  # every key is inside the window
@@ -185,13 +192,23 @@ def cpu_decode_hard_attention(
         lists.rows = GroupRows(b_size, lists.n_groups, window)
     rows = lists.rows
     outs = []
-    for b, (own,) in enumerate(bits_q.tolist()):
+    if words is None:
+        assert bits_q is not None, "bits_q or words"
+        words = [word for (word,) in bits_q.tolist()]
+    key_bits: list[Tensor] = []  # bits_k, once read
+
+    def keys_words() -> Tensor:
+        if not key_bits:
+            key_bits.append(bits_k if isinstance(bits_k, Tensor) else bits_k())
+        return key_bits[0]
+
+    for b, own in enumerate(words):
         qb = q if b_size == 1 else q[b : b + 1]
         groups = [c for c in range(lists.n_groups) if (own >> c) & 1]
         far = [bisect.bisect_left(lists.pos[b][c], lo) for c in groups]  # members before the window
         if window + sum(far) >= DENSE_SHARE * tk:  # the groups hold most keys: one masked call over the cache
             kb, vb = (k, v) if b_size == 1 else (k[b : b + 1], v[b : b + 1])
-            allowed = (bits_k[b] & own) != 0
+            allowed = (keys_words()[b] & own) != 0
             allowed[lo:] = True
             mask = additive(allowed, q.dtype)[None, None, None]
             outs.append(_FWD(qb, kb, vb, 0.0, False, attn_mask=mask, scale=scale)[0])
@@ -200,7 +217,7 @@ def cpu_decode_hard_attention(
         for c, n_far in zip(groups, far):
             if not parts:  # the token's first group: the window copy and its far members, one call
                 if rows.stored[b][c] < n_far or rows.k[b][c] is None:
-                    rows.fill(lists, b, c, k, v, bits_k)
+                    rows.fill(lists, b, c, k, v, keys_words())
                 rows.sync(b, c, k, v)
                 kr, vr = rows.k[b][c], rows.v[b][c]
                 assert kr is not None and vr is not None  # filled above
@@ -209,7 +226,7 @@ def cpu_decode_hard_attention(
             if n_far == 0:
                 continue
             if rows.stored[b][c] < n_far:
-                rows.fill(lists, b, c, k, v, bits_k)
+                rows.fill(lists, b, c, k, v, keys_words())
             kr, vr, br = rows.k[b][c], rows.v[b][c], rows.bits[b][c]
             assert kr is not None and vr is not None and br is not None  # filled above
             dup = (br[:n_far] & (own & ((1 << c) - 1))) != 0  # also in a lower group of the token: taken there

@@ -79,18 +79,19 @@ def _sinkhorn_token(scores: Tensor, iters: int, state: Tensor) -> tuple[Tensor, 
 
 def sinkhorn_token_host(
     scores: list[float], state: list[list[float]], exp=math.exp, log=math.log, log1p=math.log1p
-) -> tuple[list[float], list[float]] | None:
+) -> tuple[list[float], list[list[float]]] | None:
     """``_sinkhorn_token`` of one sequence's token on host floats (float64): scores [K] and that sequence's state
-    [iters][K] -> (assignment [K], the new state flattened [iters * K]). For decoding on the CPU without autograd:
-    the same arithmetic as ~30 tensor operations on [1, 1, K], each costing more to dispatch than its K numbers take
-    to compute. None when a score or mass is not finite (the tensor path keeps the library's inf / NaN rules)."""
-    if not math.isfinite(sum(scores) + sum(map(sum, state))):
+    [iters][K] (finite: the caller checks a state it did not get from here) -> (assignment [K], the new state
+    [iters][K]). For decoding on the CPU without autograd: the same arithmetic as ~30 tensor operations on
+    [1, 1, K], each costing more to dispatch than its K numbers take to compute. None when a score is not finite
+    (the tensor path keeps the library's inf / NaN rules)."""
+    if not math.isfinite(sum(scores)):
         return None
     lg, masses = scores, []
     for earlier in state:
         # x = l - logaddexp(l, e) = -softplus(e - l), and the mass logaddexp(l, e) = l - x
         x = [-log1p(exp(e - a)) if e <= a else a - e - log1p(exp(a - e)) for a, e in zip(lg, earlier)]
-        masses.extend([a - y for a, y in zip(lg, x)])
+        masses.append([a - y for a, y in zip(lg, x)])
         top = max(x)
         lse = top + log(sum([exp(y - top) for y in x]))
         lg = [y - lse for y in x]

@@ -15,6 +15,7 @@ import torch
 from model.attention import LayerSpec, build_attention
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig, lambda_at
+from model.attention.focus_decode_host import HostDecode
 from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
 from model.attention.sinkhorn import (
     group_imbalance,
@@ -106,7 +107,8 @@ def test_prefix_sinkhorn_float32_matches_float64():
 
 def test_host_token_sinkhorn_equals_the_tensor_prefix_sinkhorn():
     """Decoding's host-float Sinkhorn of one token against ``sinkhorn_prefix`` in float64 (peaked scores, as at
-    tau = 0.1, after 300 earlier tokens); a non-finite score or mass gives None (the tensor path takes over)."""
+    tau = 0.1, after 300 earlier tokens); a non-finite score gives None (the tensor path takes over), and a state
+    with a non-finite mass never goes to the host."""
     s = torch.randn(2, 301, 8, dtype=torch.float64) * 10
     full, full_state = sinkhorn_prefix(s, 10)
     _, state = sinkhorn_prefix(s[:, :300], 10)
@@ -115,12 +117,13 @@ def test_host_token_sinkhorn_equals_the_tensor_prefix_sinkhorn():
         assert token is not None
         assignment, masses = token
         torch.testing.assert_close(torch.tensor(assignment, dtype=torch.float64), full[b, 300], atol=1e-13, rtol=0)
-        masses_t = torch.tensor(masses, dtype=torch.float64).view(10, 8)
-        torch.testing.assert_close(masses_t, full_state[b], atol=1e-11, rtol=0)
+        torch.testing.assert_close(torch.tensor(masses, dtype=torch.float64), full_state[b], atol=1e-11, rtol=0)
     bad = s[0, 300].tolist()
     bad[3] = math.inf
     assert sinkhorn_token_host(bad, state[0].tolist()) is None
-    assert sinkhorn_token_host(s[0, 300].tolist(), [[math.nan] * 8] * 10) is None
+    assert HostDecode.accepts(state, torch.float64) and not HostDecode.accepts(state.float(), torch.float64)
+    state[1, 4, 2] = math.nan
+    assert not HostDecode.accepts(state, torch.float64)
 
 
 # ---- exact hard inference ---------------------------------------------------------------

@@ -263,6 +263,8 @@ def test_host_decode_step_equals_the_tensor_decode_step(top_k, monkeypatch):
     assert len(host_calls) == t - 64, "every decode step after the prefill takes the host path"
     assert_exact32(outs[0], outs[1], "host decode")
     host, tensor = caches
+    assert "focus_host" in host.extra and "focus_sinkhorn" not in host.extra  # the state lives on the host
+    module.flush_cache(host)
     torch.testing.assert_close(host.extra["focus_sinkhorn"], tensor.extra["focus_sinkhorn"], atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(host.extra["focus_g"], tensor.extra["focus_g"], atol=1e-5, rtol=0)  # float32 path
     assert host.extra["focus_bits"].equal(tensor.extra["focus_bits"])
