@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from bench.attention import main, make
 
 
@@ -29,8 +31,6 @@ def test_bench_attention_small_run_writes_forward_and_interleaved_decode_rows(tm
 def test_every_measurement_builds_a_case_with_the_same_weights():
     """The timing runs, the memory child and the decode runs each build their own module: the same weights (Focus's
     groups, and so its cost and memory, follow its random centroids)."""
-    import torch
-
     first, second = (make("focus", dict(n_groups=8, top_k=1, mode="hard"), 64, "cpu", torch.float32) for _ in range(2))
     torch.rand(7)  # the global generator moves between builds
     third = make("focus", dict(n_groups=8, top_k=1, mode="hard"), 64, "cpu", torch.float32)

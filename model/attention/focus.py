@@ -250,7 +250,7 @@ class FocusAttention(Attention):
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         if self._host_decodes(q, k, q_pos, cache):
             assert cache is not None  # checked there
-            host = self._hard_decode_host(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+            host = self._hard_decode_host(q, k, v, hidden=hidden, cache=cache)
             if host is not None:
                 return host
         g_q, g_k = self.assignments(hidden, cache)
@@ -283,10 +283,13 @@ class FocusAttention(Attention):
         return hard_attention(q, k, v, q_pos=q_pos, **common)
 
     def _host_decodes(self, q: Tensor, k: Tensor, q_pos: Tensor, cache: KVCache | None) -> bool:
-        """Whether this call is one CPU hard-mode decode step without autograd after a prefill, whose assignment
-        ``_hard_decode_host`` computes on host floats."""
+        """Whether this call is one CPU hard-mode decode step of plain inference (no autograd, no loss, statistics
+        or reference batch: nothing reads the assignments) after a prefill, whose assignment ``_hard_decode_host``
+        computes on host floats."""
         cfg = self.cfg
         if cache is None or q.shape[2] != 1 or cfg.mode != "hard" or cfg.assignment != "sinkhorn":
+            return False
+        if self.training or self.collect_stats or self.reference_batch:
             return False
         lists, tk = cache.extra.get("focus_lists"), k.shape[2]
         if lists is None or lists.length != tk - 1 or cfg.sinkhorn_scope != "prefix" or torch.is_grad_enabled():
@@ -294,7 +297,7 @@ class FocusAttention(Attention):
         state = host_decode.KEY in cache.extra or "focus_sinkhorn" in cache.extra
         return state and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and int(q_pos[0]) == tk - 1
 
-    def _hard_decode_host(self, q, k, v, *, hidden, q_pos, k_pos, cache: KVCache) -> AttnOut | None:
+    def _hard_decode_host(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, cache: KVCache) -> AttnOut | None:
         """One hard-mode decode step whose scores -> Sinkhorn -> top-k memberships run on host floats
         (``focus_decode_host``), then ``cpu_decode_hard_attention``. Equal to ``assignments`` + ``_memberships`` +
         ``hard_fast`` (the assignment rounded to its tensor dtype before the top-k, as there). None, with nothing
@@ -308,7 +311,7 @@ class FocusAttention(Attention):
             host = host_decode.HostDecode(state, start=cache.length - 1)
         elif host.dtype != dtype:
             return None
-        # [B][K]; one sequence as a matrix-vector product (the shortest call: the batched forms cost 2-8x in situ)
+        # [B][K]; one sequence as a matrix-vector product (the shortest call: F.linear cost 3x as long in situ)
         fold, b_size = self._fold(cache, dtype), hidden.shape[0]
         if b_size == 1:
             scores = [torch.mv(fold, hidden.reshape(-1).to(dtype)).tolist()]
@@ -325,17 +328,7 @@ class FocusAttention(Attention):
             q, k, v, bits_q=None, words=words, bits_k=lambda: host.bits(cache), lists=lists, window=self.cfg.window,
             scale=self._scale(),
         )  # fmt: skip
-        length = cache.length
-        if not (self.training or self.reference_batch or self.collect_stats):
-            return AttnOut(out)  # what ``_out`` returns here, without the assignments
-        host.flush(cache)
-        g_k = cache.extra["focus_g"][:, :length]
-        return self._out(out, g_k[:, -1:], g_k, q_pos, k_pos, cache)
-
-    def flush_cache(self, cache: KVCache) -> None:
-        """Write what host-side decoding keeps outside the cache's tensors into them (the tensor paths do this
-        themselves; for code that reads ``cache.extra`` directly)."""
-        host_decode.flush(cache)
+        return AttnOut(out)  # what ``_out`` returns in plain inference (``_host_decodes``)
 
     def soft_flex(self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor) -> Tensor:
         """Soft-gated attention as one FlexAttention call. Lambda is folded into the captured per-token vectors

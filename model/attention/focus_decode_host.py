@@ -45,7 +45,7 @@ class HostDecode:
     @classmethod
     def accepts(cls, state: Tensor, dtype: torch.dtype) -> bool:
         """Whether a state tensor can go to the host: the dtype the tensor path would compute in, every mass finite."""
-        return state.dtype == dtype and dtype in (torch.float32, torch.float64) and bool(torch.isfinite(state).all())
+        return state.dtype == dtype and bool(torch.isfinite(state).all())
 
     def step(self, scores: list[list[float]], top_k: int) -> list[int] | None:
         """One new token per sequence (scores [B][K]): update the state, keep its assignment, return its membership

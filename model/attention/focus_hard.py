@@ -136,9 +136,9 @@ class HardPlan:
         pre = [max(k_lo, starts[a]) for a, _ in chunks]  # keys before each chunk's first query
         deeper = [level + 1 < len(CLASS_LEVELS) and e - a > CLASS_LEVELS[level + 1] for a, e in chunks]
         stop = [n_pre if down else ends[e - 1] for (_, e), n_pre, down in zip(chunks, pre, deeper)]
-        block = key_block(self.tk)
-        for k0 in range(k_lo, max(stop), block):
-            k1 = min(k0 + block, max(stop))
+        block, top = key_block(self.tk), max(stop)
+        for k0 in range(k_lo, top, block):
+            k1 = min(k0 + block, top)
             keys = Gathered(b, ik[k0:k1])
             for (a, e), n_pre, n_end in zip(chunks, pre, stop):
                 if n_pre > k0:  # keys before the chunk's first query: all allowed

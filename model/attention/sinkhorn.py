@@ -82,7 +82,7 @@ def sinkhorn_token_host(
 ) -> tuple[list[float], list[list[float]]] | None:
     """``_sinkhorn_token`` of one sequence's token on host floats (float64): scores [K] and that sequence's state
     [iters][K] (finite: the caller checks a state it did not get from here) -> (assignment [K], the new state
-    [iters][K]). For decoding on the CPU without autograd: the same arithmetic as ~30 tensor operations on
+    [iters][K]). For decoding on the CPU without autograd: the same arithmetic as 34 tensor operations on
     [1, 1, K], each costing more to dispatch than its K numbers take to compute. None when a score is not finite
     (the tensor path keeps the library's inf / NaN rules)."""
     if not math.isfinite(sum(scores)):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import KVCache, LayerSpec, build_attention, focus_hard, focus_hard_decode
+from model.attention import KVCache, LayerSpec, build_attention, focus_decode_host, focus_hard, focus_hard_decode
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
@@ -195,6 +195,17 @@ def test_decode_from_group_lists_equals_dense(top_k, kind, decode, dense_share, 
                 assert lists.members(bb, c, int(lists.count[bb, c])).equal(members)
 
 
+def run_on_cache(module, q, k, v, hidden, spans, cache) -> torch.Tensor:
+    """The module over the token spans [lo, hi) in turn onto ``cache`` (no autograd): outputs joined along T."""
+    pos = torch.arange(q.shape[2])
+    pieces = []
+    with torch.no_grad():
+        for lo, hi in spans:
+            chunk = dict(hidden=hidden[:, lo:hi], positions=pos[lo:hi], cache=cache)
+            pieces.append(module(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], **chunk).output)
+    return torch.cat(pieces, 2)
+
+
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_module_prefill_chunks_and_decode_equal_full_forward(top_k):
     """FocusAttention in hard mode: one forward over T = 260 (fast == reference), then the same tokens as a chunked
@@ -211,21 +222,11 @@ def test_module_prefill_chunks_and_decode_equal_full_forward(top_k):
         reference = module(q, k, v, hidden=hidden, positions=pos).output
         module.impl = "auto"
         assert_exact32(module(q, k, v, hidden=hidden, positions=pos).output, reference, "forward")
-        cache = KVCache(b, SPEC.n_kv_heads, SPEC.head_dim, t, dtype=torch.float32, device="cpu")
-        pieces = []
-        for lo, hi in ((0, 100), (100, 180), *((p, p + 1) for p in range(180, t))):
-            pieces.append(
-                module(
-                    q[:, :, lo:hi],
-                    k[:, :, lo:hi],
-                    v[:, :, lo:hi],
-                    hidden=hidden[:, lo:hi],
-                    positions=pos[lo:hi],
-                    cache=cache,
-                ).output
-            )
-        assert cache.extra["focus_lists"].length == t
-    assert_exact32(torch.cat(pieces, 2), reference, "chunked prefill + decode")
+    cache = KVCache(b, SPEC.n_kv_heads, SPEC.head_dim, t, dtype=torch.float32, device="cpu")
+    spans = ((0, 100), (100, 180), *((p, p + 1) for p in range(180, t)))
+    cached = run_on_cache(module, q, k, v, hidden, spans, cache)
+    assert cache.extra["focus_lists"].length == t
+    assert_exact32(cached, reference, "chunked prefill + decode")
 
 
 @pytest.mark.parametrize("top_k", [1, 2])
@@ -239,7 +240,6 @@ def test_host_decode_step_equals_the_tensor_decode_step(top_k, monkeypatch):
         module.centroids.mul_(3.0)
     b, t = 2, 120
     q, k, v, hidden = random_inputs(SPEC, b, t, torch.float32, seed=5)
-    pos = torch.arange(t)
     host_calls = []
     original = type(module)._hard_decode_host
 
@@ -253,18 +253,13 @@ def test_host_decode_step_equals_the_tensor_decode_step(top_k, monkeypatch):
         if not host:
             monkeypatch.setattr(type(module), "_host_decodes", lambda self, *args: False)
         cache = KVCache(b, SPEC.n_kv_heads, SPEC.head_dim, t, dtype=torch.float32, device="cpu")
-        pieces = []
-        with torch.no_grad():
-            for lo, hi in ((0, 64), *((p, p + 1) for p in range(64, t))):
-                chunk = dict(hidden=hidden[:, lo:hi], positions=pos[lo:hi], cache=cache)
-                pieces.append(module(q[:, :, lo:hi], k[:, :, lo:hi], v[:, :, lo:hi], **chunk).output)
+        outs.append(run_on_cache(module, q, k, v, hidden, ((0, 64), *((p, p + 1) for p in range(64, t))), cache))
         caches.append(cache)
-        outs.append(torch.cat(pieces, 2))
     assert len(host_calls) == t - 64, "every decode step after the prefill takes the host path"
     assert_exact32(outs[0], outs[1], "host decode")
     host, tensor = caches
     assert "focus_host" in host.extra and "focus_sinkhorn" not in host.extra  # the state lives on the host
-    module.flush_cache(host)
+    focus_decode_host.flush(host)  # what any tensor path does first
     torch.testing.assert_close(host.extra["focus_sinkhorn"], tensor.extra["focus_sinkhorn"], atol=1e-5, rtol=1e-6)
     torch.testing.assert_close(host.extra["focus_g"], tensor.extra["focus_g"], atol=1e-5, rtol=0)  # float32 path
     assert host.extra["focus_bits"].equal(tensor.extra["focus_bits"])
