@@ -197,7 +197,7 @@ def focus_topk(ckpt: Path, wins: list[torch.Tensor], n_groups: int) -> dict[str,
 
 def kv_cache_bytes(model, corpus, contexts: list[int]) -> dict[str, dict]:
     """Bytes every layer's KV cache holds after prefilling ``L`` held-out tokens and decoding one more."""
-    from model.attention.dga import kv_cache_nbytes
+    from model.attention.base import kv_cache_nbytes
 
     out = {}
     tokens = torch.from_numpy(corpus.val.tokens[: max(contexts) + 1].astype("int64"))[None]

@@ -12,12 +12,13 @@ import warnings
 import pytest
 import torch
 
+from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig, lambda_at
-from model.attention.focus_decode_host import HostDecode
-from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import (
+from model.attention.focus.hard.decode_host import HostDecode
+from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits
+from model.attention.focus.sinkhorn import (
     group_imbalance,
     logcumsumexp,
     sinkhorn_prefix,
@@ -25,7 +26,6 @@ from model.attention.sinkhorn import (
     sinkhorn_token_host,
 )
 from model.config import ModelConfig
-from model.errors import ConfigError
 from model.transformer import Transformer
 from tests.attention.test_suite import cache_chunk, random_inputs
 

@@ -1,4 +1,4 @@
-"""Focus hard mode's fast paths against the dense masked reference (model/attention/focus_hard.py).
+"""Focus hard mode's fast paths against the dense masked reference (model/attention/focus/hard/cpu.py).
 
 - CPU: the sorted-group decomposition on the fused CPU flash kernel, values and gradients, every top_k, balanced /
   skewed / collapsed groups, batch > 1, lengths that are multiples of nothing (37, 300, 700), prefill, chunked prefill
@@ -20,20 +20,23 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.attention import KVCache, LayerSpec, build_attention, focus_decode_host, focus_hard, focus_hard_decode
+from model.attention import KVCache, LayerSpec, build_attention
 from model.attention import flex as flex_mod
 from model.attention import reference as ref
 from model.attention.focus import FocusConfig
-from model.attention.focus_hard import cpu_hard_attention
-from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
-from model.attention.focus_hard_flex import (
+from model.attention.focus.hard import cpu as focus_hard
+from model.attention.focus.hard import decode as focus_hard_decode
+from model.attention.focus.hard import decode_host as focus_decode_host
+from model.attention.focus.hard.cpu import cpu_hard_attention
+from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus.hard.flex import (
     FLEX_BLOCK,
     _group_layout,
     band_block_mask_tensors,
     flex_hard_attention,
     group_block_mask_tensors,
 )
-from model.attention.group_sparse import hard_mask, membership_bits
+from model.attention.focus.hard.group_sparse import hard_mask, membership_bits
 from tests.attention.test_suite import cache_chunk, random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=1024, layer_idx=0, n_layers=1)
@@ -423,8 +426,6 @@ def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_back
 def test_cpu_path_big_groups_run_in_query_chunks(monkeypatch):
     """A group with more than GROUP_CHUNK members runs as query chunks (diagonal block causal, earlier members
     unmasked), to bound the peak memory: same values and gradients."""
-    import model.attention.focus_hard as focus_hard
-
     monkeypatch.setattr(focus_hard, "GROUP_CHUNK", 48)
     b, t, window, n_groups = 2, 300, 16, 4
     q, k, v = inputs(b, t, torch.float64, seed=9)

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from model.attention import LayerSpec, build_attention
 from model.attention.dga import DGAConfig
 from model.attention.focus import FocusConfig
+from model.attention.focus.sinkhorn import sinkhorn_prefix
 from model.attention.lazy import LazyConfig
-from model.attention.sinkhorn import sinkhorn_prefix
 from tests.attention.test_suite import random_inputs
 
 # ---- DGA (papers/dynamic-group-attention-dga.txt, section 5, eq. 14, 16-17) --------------------

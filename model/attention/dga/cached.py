@@ -11,7 +11,7 @@ from torch import Tensor
 
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, kv_cache_nbytes
-from model.attention.dga_units import DGAConfig, focal_count
+from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.sdpa import sdpa_varying
 
 

@@ -47,24 +47,10 @@ import torch
 from torch import Tensor
 
 from model.attention import reference as ref
-from model.attention.base import (  # noqa: F401  (kv_cache_nbytes: importable from here, as before)
-    Attention,
-    AttnOut,
-    KVCache,
-    LayerSpec,
-    SuiteCase,
-    kv_cache_nbytes,
-    register_attention,
-)
-from model.attention.dga_cache import GroupedKVCache
-from model.attention.dga_units import (  # noqa: F401  (re-exported)
-    SELECTIONS,
-    Compressed,
-    DGAConfig,
-    _pad_positions,
-    focal_count,
-    sample_offsets,
-)
+from model.attention.base import AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.dga.cached import GroupedKVCache
+from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
+from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
 
 
@@ -283,11 +269,11 @@ class DynamicGroupAttention(GroupedKVCache):
             nb = j1 - j0 + 1
             pos = torch.arange(j0 * c, (j1 + 1) * c, device=dev)
             qpos_b = torch.where((pos >= p0) & (pos < p1), pos, -1).view(nb, c)
-            qb = _pad_positions(q, p0, j0 * c, (j1 + 1) * c).view(b, h, nb, c, d)
+            qb = pad_positions(q, p0, j0 * c, (j1 + 1) * c).view(b, h, nb, c, d)
             lo, hi = (j0 - 1) * c, (j1 + 1) * c
             wpos = (lo + torch.arange(hi - lo, device=dev)).unfold(0, 2 * c, c)  # [nb, 2C]
-            lk = _pad_positions(k, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
-            lv = _pad_positions(v, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
+            lk = pad_positions(k, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
+            lv = pad_positions(v, k_base, lo, hi).unfold(2, 2 * c, c).transpose(-1, -2)
             wpos = torch.where((wpos >= k_base) & (wpos < k_base + tk), wpos, p1 + 1)  # padding never visible
         lmask = (wpos[:, None, :] <= qpos_b[:, :, None]) & (wpos[:, None, :] >= (qpos_b[:, :, None] // c - 1) * c)
         out, counts = self._attend(qb, qpos_b, ck, cv, avail, lk, lv, lmask)

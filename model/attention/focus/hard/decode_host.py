@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from model.attention.base import KVCache
-from model.attention.sinkhorn import sinkhorn_token_host
+from model.attention.focus.sinkhorn import sinkhorn_token_host
 
 KEY = "focus_host"  # cache.extra: the HostDecode of a cache in host mode
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.flex import cached_block_mask, flex_attention_fn
-from model.attention.focus_hard_rows import NEG_INF
+from model.attention.focus.hard.rows import NEG_INF
 
 # ---- GPU: two FlexAttention calls -----------------------------------------------------------------------------------
 FLEX_BLOCK = 128

@@ -11,7 +11,7 @@ future) or by softmax (kept for the collapse comparison).
   Reference: dense gate, any device. Fast path (CUDA): FlexAttention ``score_mod`` computing the
   gate from the captured per-token assignments.
 - ``hard`` mode (inference): each token belongs to its top-k groups; i attends j iff j <= i and
-  (i - j < w or their memberships intersect). Reference: dense mask. Fast paths (``focus_hard*.py``):
+  (i - j < w or their memberships intersect). Reference: dense mask. Fast paths (``hard/``):
   CPU, the sorted-group decomposition on the fused CPU flash kernel (values and gradients); CUDA, two
   FlexAttention calls over group-sorted tokens and the cross-group band; decode, the window plus the
   far members of the token's groups from per-group index lists in the KV cache. Elsewhere the batched
@@ -31,16 +31,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from model.attention import focus_decode_host as host_decode
+from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_supports
-from model.attention.focus_hard import cpu_hard_attention, cpu_kernel_dtypes
-from model.attention.focus_hard_decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
-from model.attention.focus_hard_flex import flex_hard_attention
-from model.attention.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
-from model.errors import ConfigError, check_choice, check_min, check_range
+from model.attention.focus.hard import decode_host as host_decode
+from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
+from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus.hard.flex import flex_hard_attention
+from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits
+from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
 
 SCOPES = ("prefix", "sequence")
 ASSIGNMENTS = ("sinkhorn", "softmax")

@@ -2,8 +2,8 @@
 
 The hard mask: query i attends key j iff j <= i and (i - j < window or their group memberships intersect). Its pairs
 split into disjoint parts; each part is one attention call returning (output, logsumexp), and the parts merge exactly
-by logsumexp. The dense masked reference stays in ``focus.py``; ``group_sparse.hard_attention`` is the batched dense
-decomposition kept for devices without these kernels.
+by logsumexp. The dense masked reference stays in ``model.attention.focus``; ``group_sparse.hard_attention`` is
+the batched dense decomposition kept for devices without these kernels.
 
 CPU, ``cpu_hard_attention``: every part is a call of the fused CPU flash kernel
 (``aten._scaled_dot_product_flash_attention_for_cpu``, which returns the logsumexp).
@@ -39,7 +39,7 @@ from collections.abc import Iterator
 import torch
 from torch import Tensor
 
-from model.attention.focus_hard_rows import (
+from model.attention.focus.hard.rows import (
     NEG_INF,
     Blocks,
     Gathered,

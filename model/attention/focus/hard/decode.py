@@ -17,7 +17,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from model.attention.focus_hard_rows import additive, take_rows
+from model.attention.focus.hard.rows import additive, take_rows
 from model.attention.sdpa import sdpa_varying
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
