@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from core.files import fsync_dir
+from run import checksums
 
 # the read side lives a layer down (evaluation uses it too); the trainer sees one checkpoint API
 from run.checkpoint import (  # noqa: F401
@@ -38,6 +39,8 @@ from run.checkpoint import (  # noqa: F401
     verify_checkpoint,
 )
 
+DAMAGED_DIR = "damaged"
+
 
 def _fsync_tree(path: Path) -> None:
     for p in sorted(path.rglob("*")):
@@ -51,17 +54,26 @@ class Coordinator(Protocol):
     """What a checkpoint write needs from the process group (an engine provides it)."""
 
     is_main: bool
+    rank: int
+    world_size: int
 
     def broadcast_object(self, obj: Any) -> Any: ...
+
+    def gather_object(self, obj: Any) -> list[Any]: ...
 
     def barrier(self) -> None: ...
 
 
 class _Alone:
     is_main = True
+    rank = 0
+    world_size = 1
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
 
     def barrier(self) -> None:
         pass
@@ -96,14 +108,25 @@ def save_checkpoint(
         tmp.mkdir()
     tmp = Path(coord.broadcast_object(str(tmp) if tmp else None))
     write_engine_state(tmp)
+    if coord.is_main:
+        torch.save(trainer_state, tmp / TRAINER_STATE)
     coord.barrier()  # every rank's files are in place
+    # every file's size and content checksum, so a reader can tell a damaged checkpoint (truncated, emptied,
+    # bits flipped on disk) from a good one; each rank hashes its share of the files
+    names = [p.relative_to(tmp).as_posix() for p in sorted(tmp.rglob("*")) if p.is_file()]
+    parts = coord.gather_object(checksums.digests(tmp, checksums.share(names, coord.rank, coord.world_size)))
     if not coord.is_main:
         coord.barrier()  # wait for the rename
         return final
-    torch.save(trainer_state, tmp / TRAINER_STATE)
-    # every file's size, so a reader can tell a damaged (truncated, emptied) checkpoint from a good one
-    files = {p.relative_to(tmp).as_posix(): p.stat().st_size for p in sorted(tmp.rglob("*")) if p.is_file()}
-    info = {"step": step, "time": time.time(), **(meta or {}), "files": files}
+    files = {name: (tmp / name).stat().st_size for name in names}
+    digests = {name: digest for part in parts for name, digest in sorted(part.items())}
+    info = {
+        "step": step,
+        "time": time.time(),
+        **(meta or {}),
+        "files": files,
+        "checksums": dict(sorted(digests.items())),
+    }
     (tmp / META).write_text(json.dumps(info, indent=2) + "\n")
     _fsync_tree(tmp)
     if final.exists():  # re-saving a step (e.g. stop_at after a periodic save): swap atomically enough
@@ -120,15 +143,37 @@ def save_checkpoint(
 
 
 def prune(run_dir: Path, keep: int) -> None:
-    """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted writes by dead processes."""
+    """Keep the newest ``keep`` complete checkpoints; drop leftovers of interrupted writes by dead processes.
+    A checkpoint found damaged was moved to ``damaged/`` at resume, so it never counts here."""
     found = complete_checkpoints(run_dir)
     if keep > 0:
         for _, path in found[:-keep]:
             shutil.rmtree(path, ignore_errors=True)
-    for path in checkpoint_root(run_dir).glob(f"{TMP_PREFIX}*"):
+    for path in leftover_temporaries(run_dir):
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def leftover_temporaries(run_dir: Path) -> list[Path]:
+    """Temporary directories of saves (``.tmp-step_...-<pid>``) under the run's checkpoints."""
+    root = checkpoint_root(run_dir)
+    return sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
+
+
+def set_aside(path: Path) -> Path:
+    """Move a damaged checkpoint to ``checkpoints/damaged/`` (kept for inspection, never deleted, never
+    resumed from or counted by pruning); returns where it went."""
+    target_dir = path.parent / DAMAGED_DIR
+    target_dir.mkdir(exist_ok=True)
+    target = target_dir / path.name
+    n = 1
+    while target.exists():
+        target = target_dir / f"{path.name}.{n}"
+        n += 1
+    path.rename(target)
+    fsync_dir(path.parent)
+    return target
 
 
 def _pid_alive(pid: int) -> bool:

@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import random
+import shutil
 import socket
 import subprocess
 from dataclasses import dataclass
@@ -182,6 +183,9 @@ class Trainer:
         self._lock.truncate()
         self._lock.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
         self._lock.flush()
+        # no other trainer can be writing here now: any temporary checkpoint directory is a dead save's
+        for leftover in ckpt.leftover_temporaries(self.run_dir):
+            shutil.rmtree(leftover, ignore_errors=True)
 
     def release_run_dir(self) -> None:
         """Let another trainer take run.dir (the process exiting does the same)."""
@@ -247,16 +251,28 @@ class Trainer:
         self._say(f"initialised weights from {path} (step {state.step})")
 
     def _newest_good_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint whose files are whole (sizes recorded at write time, headers,
-        trainer state); a damaged one (a kill mid-copy, a full disk) is skipped with one line."""
-        first_problem = None
+        """The newest complete checkpoint whose files are whole (sizes and content checksums recorded at
+        write time, headers, trainer state; each rank hashes its share of the files). A damaged one (bits
+        flipped on disk, a kill mid-copy, a full disk) is skipped with one line and, once an older good one
+        is found, moved to ``checkpoints/damaged/`` so that pruning never counts it nor keeps it over the
+        good one. With none usable, nothing is moved and the run stops: never silently start over."""
+        first_problem, damaged = None, []
+        share = (self.engine.rank, self.engine.world_size)
         for _, path in reversed(ckpt.complete_checkpoints(self.run_dir)):
             try:
-                ckpt.verify_checkpoint(path, key="resume", all_files=True)
-                return path
+                ckpt.verify_checkpoint(path, key="resume", all_files=True, share=share)
+                problem = None
             except ConfigError as exc:
-                self._say(f"warning: skipping a damaged checkpoint: {exc}")
-                first_problem = first_problem or str(exc)
+                problem = str(exc)
+            problems = [p for p in self.engine.gather_object(problem) if p]
+            if not problems:
+                if self.engine.is_main:
+                    for bad in damaged:
+                        self._say(f"warning: moved the damaged checkpoint aside: {ckpt.set_aside(bad)}")
+                return path
+            self._say(f"warning: skipping a damaged checkpoint: {problems[0]}")
+            first_problem = first_problem or problems[0]
+            damaged.append(path)
         if first_problem:  # never silently start over (and overwrite the run) when none is usable
             raise ConfigError(f"{first_problem}; no usable checkpoint is left in {self.run_dir}/checkpoints")
         return None

@@ -18,6 +18,7 @@ import torch
 
 from core import configlib
 from core.errors import ConfigError
+from run import checksums
 from run.safe_load import torch_load
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
@@ -84,12 +85,16 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     return torch_load(Path(path) / TRAINER_STATE, map_location="cpu")
 
 
-def verify_checkpoint(path: Path, *, key: str = "--checkpoint", all_files: bool = False) -> dict[str, Any]:
+def verify_checkpoint(
+    path: Path, *, key: str = "--checkpoint", all_files: bool = False, share: tuple[int, int] = (0, 1)
+) -> dict[str, Any]:
     """Checks checkpoint ``path`` without loading its weights, and returns its trainer state: ``trainer.pt``
     loads (weights only), ``model.safetensors`` (when present) has a header whose tensors the file covers,
     some weights are there (``model.safetensors``, ``dcp/`` or ``ds/``), and ``trainer.pt`` and
-    ``model.safetensors`` (with ``all_files``, every file; a resume reads them all) have the sizes
-    ``meta.json`` recorded when they were written. A damaged file is one ``ConfigError`` line naming it."""
+    ``model.safetensors`` (with ``all_files``, every file; a resume reads them all) have the sizes and the
+    content checksums ``meta.json`` recorded when they were written. ``share = (rank, world_size)``: hash
+    only this rank's part of those files (the ranks of a resume split the work). A damaged file is one
+    ``ConfigError`` line naming it."""
     path = Path(path)
     meta_file = path / META
     try:
@@ -117,6 +122,7 @@ def verify_checkpoint(path: Path, *, key: str = "--checkpoint", all_files: bool 
     elif not ((path / "dcp").is_dir() or (path / "ds").is_dir()):
         raise ConfigError(f"{key}: {path} holds no weights ({MODEL_FILE}, dcp/ or ds/)")
     recorded = meta.get("files") if isinstance(meta, dict) else None  # sizes at write time (newer checkpoints)
+    present = []
     for name, size in recorded.items() if isinstance(recorded, dict) else ():
         if not all_files and name not in (TRAINER_STATE, MODEL_FILE):
             continue  # evaluation and export read no optimizer or engine state
@@ -127,6 +133,12 @@ def verify_checkpoint(path: Path, *, key: str = "--checkpoint", all_files: bool 
         if actual != size:
             found = "missing" if actual is None else f"{actual} bytes"
             raise ConfigError(f"{key}: {file} is {found}, but {META} recorded {size} bytes when it was written")
+        present.append(name)
+    sums = meta.get("checksums") if isinstance(meta, dict) else None  # checkpoints written before them have none
+    if isinstance(sums, dict):
+        problem = checksums.first_mismatch(path, sums, checksums.share(present, *share))
+        if problem:
+            raise ConfigError(f"{key}: {problem}")
     return state
 
 

@@ -1,0 +1,140 @@
+"""Checkpoints that cannot be silently wrong (issue 30): every file carries a content checksum in
+``meta.json``; bytes flipped anywhere in the newest checkpoint send the resume to the previous one with
+a one-line warning naming the file, and the damaged one is moved aside, never pruned over the good one."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+
+import pytest
+
+from pretrain import checkpoint as ckpt
+from run import checksums
+from tests.pretrain.test_robustness import cache, config, losses, reference, train  # noqa: F401  (fixtures)
+
+SEED = 1234
+
+
+def flip_bytes(path, n: int, rng: random.Random) -> None:
+    """Invert ``n`` bytes at random positions, size unchanged (what a bad disk or a cosmic ray does)."""
+    data = bytearray(path.read_bytes())
+    for pos in rng.sample(range(len(data)), min(n, len(data))):
+        data[pos] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_file_digest_is_xxh3_128_of_the_bytes(tmp_path):
+    import xxhash
+
+    data = bytes(range(256)) * 40_000  # several 8 MiB reads would be needed for a larger file; one partial here
+    (tmp_path / "f").write_bytes(data)
+    assert checksums.file_digest(tmp_path / "f") == "xxh3_128:" + xxhash.xxh3_128(data).hexdigest()
+    assert checksums.share(["c", "a", "b", "d"], 1, 2) == ["b", "d"]
+
+
+@pytest.fixture(scope="module")
+def stopped_at_4(tmp_path_factory, cache):  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("stopped") / "run"
+    train(config(run_dir, cache, **{"train.stop_at": 4}))  # checkpoints at steps 2 and 4
+    return run_dir
+
+
+@pytest.mark.slow  # a few seconds of training each
+def test_every_file_has_its_checksum_in_the_manifest(stopped_at_4):
+    latest = stopped_at_4 / "checkpoints" / "step_00000004"
+    meta = json.loads((latest / "meta.json").read_text())
+    files = sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file() and p.name != "meta.json")
+    assert sorted(meta["checksums"]) == files == sorted(meta["files"])
+    for name in files:
+        assert meta["checksums"][name] == checksums.file_digest(latest / name)
+
+
+def _files(run_dir):
+    latest = run_dir / "checkpoints" / "step_00000004"
+    return sorted(p.relative_to(latest).as_posix() for p in latest.rglob("*") if p.is_file() and p.name != "meta.json")
+
+
+@pytest.mark.slow  # a few seconds of training each
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer.pt", "trainer.pt", "tokenizer.model"])
+def test_flipped_bytes_in_any_file_resume_from_the_previous_checkpoint(
+    tmp_path,
+    cache,
+    reference,
+    stopped_at_4,
+    name,
+    capsys,  # noqa: F811
+):
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    assert name in _files(run_dir)
+    flip_bytes(run_dir / "checkpoints" / "step_00000004" / name, 20, random.Random(SEED))
+    _, result = train(config(run_dir, cache))
+    assert result.exit_code == 0 and losses(run_dir) == reference
+    out = capsys.readouterr().out
+    warnings = [line for line in out.splitlines() if line.startswith("warning: skipping a damaged checkpoint")]
+    assert len(warnings) == 1 and f"step_00000004/{name}" in warnings[0], out
+    assert "step_00000002 at step 2" in out
+    assert (run_dir / "checkpoints" / "damaged" / "step_00000004" / name).is_file()  # kept, out of the way
+
+
+@pytest.mark.slow  # a few seconds of training each
+def test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row(tmp_path, cache, reference, stopped_at_4):  # noqa: F811
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    flip_bytes(run_dir / "checkpoints" / "step_00000004" / "model.safetensors", 20, random.Random(SEED))
+    _, first = train(config(run_dir, cache, **{"checkpoint.keep": 1, "train.stop_at": 5}))
+    assert first.exit_code == 0
+    assert [p.name for _, p in ckpt.complete_checkpoints(run_dir)] == ["step_00000005"]  # the good one it wrote
+    _, second = train(config(run_dir, cache, **{"checkpoint.keep": 1}))
+    assert second.exit_code == 0 and losses(run_dir) == reference
+    assert (run_dir / "checkpoints" / "damaged" / "step_00000004").is_dir()
+
+
+@pytest.mark.slow  # a few seconds of training each
+def test_leftover_temporaries_of_dead_saves_are_removed_at_start_up(tmp_path, cache, stopped_at_4):  # noqa: F811
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    dead = run_dir / "checkpoints" / f"{ckpt.TMP_PREFIX}step_00000006-{os.getpid()}"  # even a live-looking pid
+    dead.mkdir()
+    (dead / "model.safetensors").write_bytes(b"x" * 1000)
+    _, result = train(config(run_dir, cache, **{"train.stop_at": 5}))
+    assert result.exit_code == 0 and not dead.exists()
+
+
+@pytest.mark.slow  # a few seconds of training each
+def test_export_and_eval_verification_refuse_a_flipped_weight_file(stopped_at_4, tmp_path):
+    import shutil
+
+    from core.errors import ConfigError
+
+    latest = tmp_path / "step"
+    shutil.copytree(stopped_at_4 / "checkpoints" / "step_00000004", latest)
+    ckpt.verify_checkpoint(latest)
+    flip_bytes(latest / "model.safetensors", 20, random.Random(SEED))
+    with pytest.raises(ConfigError, match=r"^--checkpoint: .*model.safetensors does not match the checksum"):
+        ckpt.verify_checkpoint(latest)
+
+
+@pytest.mark.slow
+def test_verifying_one_gib_in_the_page_cache_takes_under_1_5_s(tmp_path):
+    path = tmp_path / "weights.bin"
+    block = os.urandom(16 << 20)
+    with open(path, "wb") as f:
+        for _ in range(64):
+            f.write(block)
+    checksums.file_digest(path)  # into the page cache
+    start = time.perf_counter()
+    checksums.file_digest(path)
+    assert time.perf_counter() - start < 1.5
