@@ -13,7 +13,7 @@ import pytest
 
 from pretrain import checkpoint as ckpt
 from run import checksums
-from tests.pretrain.test_robustness import cache, config, losses, reference, train  # noqa: F401  (fixtures)
+from tests.pretrain.test_robustness import config, losses, train
 
 SEED = 1234
 
@@ -36,7 +36,7 @@ def test_file_digest_is_xxh3_128_of_the_bytes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def stopped_at_4(tmp_path_factory, cache):  # noqa: F811
+def stopped_at_4(tmp_path_factory, cache):
     run_dir = tmp_path_factory.mktemp("stopped") / "run"
     train(config(run_dir, cache, **{"train.stop_at": 4}))  # checkpoints at steps 2 and 4
     return run_dir
@@ -65,7 +65,7 @@ def test_flipped_bytes_in_any_file_resume_from_the_previous_checkpoint(
     reference,
     stopped_at_4,
     name,
-    capsys,  # noqa: F811
+    capsys,
 ):
     import shutil
 
@@ -84,7 +84,7 @@ def test_flipped_bytes_in_any_file_resume_from_the_previous_checkpoint(
 
 
 @pytest.mark.slow  # a few seconds of training each
-def test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row(tmp_path, cache, reference, stopped_at_4):  # noqa: F811
+def test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row(tmp_path, cache, reference, stopped_at_4):
     import shutil
 
     run_dir = tmp_path / "run"
@@ -100,7 +100,7 @@ def test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row(tmp_path
 
 
 @pytest.mark.slow  # a few seconds of training each
-def test_leftover_temporaries_of_dead_saves_are_removed_at_start_up(tmp_path, cache, stopped_at_4):  # noqa: F811
+def test_leftover_temporaries_of_dead_saves_are_removed_at_start_up(tmp_path, cache, stopped_at_4):
     import shutil
 
     run_dir = tmp_path / "run"

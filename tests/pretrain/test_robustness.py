@@ -76,19 +76,6 @@ def losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("cache")
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache):
-    run_dir = tmp_path_factory.mktemp("reference") / "run"
-    _, result = train(config(run_dir, cache))
-    assert result.exit_code == 0
-    return losses(run_dir)
-
-
 class SignalSelf(Callback):
     """Sends ``sig`` to this process at a hook, once."""
 
