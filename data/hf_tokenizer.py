@@ -96,7 +96,7 @@ def _from_sentencepiece(tok: SentencePieceTokenizer, out: Path, model_max_length
     with tempfile.TemporaryDirectory(prefix="sp_to_hf_") as tmp:
         shutil.copyfile(tok.path, Path(tmp) / "tokenizer.model")
         _write_json(Path(tmp) / "tokenizer_config.json", config)
-        fast = AutoTokenizer.from_pretrained(tmp, local_files_only=True)
+        fast = AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         fast.save_pretrained(str(out))
     # transformers lists SentencePiece's user-defined pieces ("\n") among the special tokens; they are text
     user_defined = {
@@ -122,7 +122,7 @@ def check_hf_tokenizer(tok: Tokenizer, folder: Path, texts: tuple[str, ...] = (S
     difference in one line."""
     from transformers import AutoTokenizer
 
-    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+    hf = AutoTokenizer.from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     for text in texts:
         ours, theirs = tok.encode(text), hf.encode(text, add_special_tokens=False, verbose=False)
         if ours != theirs:

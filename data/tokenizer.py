@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import json
 import os
 import shutil
 import sys
@@ -255,8 +256,15 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
             f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file (converting other "
             "Hugging Face tokenizer files needs pip install transformers)"
         ) from None
+    if _names_custom_code(path):
+        raise ConfigError(
+            f"data.tokenizer: {path} names custom code (auto_map in tokenizer_config.json), which this project never "
+            "runs; give a folder with tokenizer.json, tokenizer.model or a .tiktoken file"
+        )
     try:
-        fast = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+        # trust_remote_code=False also when a folder slips past the check above: transformers then refuses
+        # instead of asking "run the custom code? [y/N]" at a terminal
+        fast = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         data = fast.backend_tokenizer.to_str().encode("utf-8")
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
@@ -267,6 +275,14 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
     tok = HFTokenizer(path, data=data, special=hf_special_tokens(path))
     tok.companions = _companions(path)
     return tok
+
+
+def _names_custom_code(folder: Path) -> bool:
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("auto_map"))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
