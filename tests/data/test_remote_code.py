@@ -25,6 +25,7 @@ class CustomTokenizer(PreTrainedTokenizerFast):
 """
 
 
+@pytest.mark.slow  # a transformers import in a child process
 @pytest.mark.parametrize("named_in", ["tokenizer_config.json", "config.json"])
 def test_a_custom_code_tokenizer_folder_never_runs_its_code_even_when_y_is_typed(tmp_path, named_in):
     """Named in tokenizer_config.json, the project refuses it itself; named only in config.json (where
