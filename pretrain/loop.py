@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import tomllib
 import torch
 
 from core.errors import ConfigError
@@ -31,14 +32,16 @@ from eval.perplexity import mean_loss, perplexity
 from model.counts import flops_per_token
 from model.transformer import build_model
 from pretrain import checkpoint as ckpt
+from pretrain import resume_config
 from pretrain.callbacks import Callback, default_callbacks
 from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_first
 from pretrain.freezing import apply_trainable, check_patterns
 from pretrain.loggers import Loggers
 from pretrain.metrics import peak_flops
+from pretrain.optim import apply_hyperparameters
 from pretrain.signals import PREEMPTED_MARKER, SignalHandler
 from pretrain.state import TrainState
-from run.config import RunConfig
+from run.config import RunConfig, run_config_from_dict
 
 
 @dataclass
@@ -87,6 +90,7 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.saved_step = -1  # the step of the newest checkpoint this run has (restored or written)
+        self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
         self.stop = cfg.train.stop_at or cfg.train.max_steps
         self.preempted = False
@@ -156,9 +160,11 @@ class Trainer:
         if self.engine.is_main:  # the resume is valid: now the run directory may change
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this start is the requeued job
             self.corpus.tokenizer.save(self.run_dir)
-            toml = cfg.to_toml()
             config_file = self.run_dir / "config.toml"
-            if not config_file.is_file() or config_file.read_text() != toml:
+            previous = config_file.read_text() if config_file.is_file() else None
+            history = [f"{resume_config.HISTORY_PREFIX}{self.step}: {line}" for line in self.config_changes]
+            toml = resume_config.with_history(cfg.to_toml(), previous, history)
+            if previous != toml:
                 atomic_write_text(config_file, toml)
         if self.signals is not None:
             self.signals.defer()  # from here on a signal checkpoints at the next step boundary
@@ -285,6 +291,8 @@ class Trainer:
             self.loggers.start_fresh()  # a restart before the first checkpoint: its metrics are stale
             return
         state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
+        found = resume_config.changes(_resolved(state.config), self.cfg.to_toml())
+        resume_config.check(found, str(path))  # refused keys first: the errors below would not name them
         if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
                 f"data.tokenizer: does not match the tokenizer of checkpoint {path} (fingerprints differ)"
@@ -294,6 +302,11 @@ class Trainer:
         # the trainable set of the checkpoint's last step, so the engine's optimizer state matches the saved one
         self._apply_trainable(max(state.step - 1, 0))
         self.engine.read_state(path)
+        if any(c.key in resume_config.OPTIMIZER_KEYS for c in found):  # the checkpoint's optimizer has the old ones
+            apply_hyperparameters(self.engine.scheduler, self.cfg.train)
+        self.config_changes = [c.line(state.step) for c in found]
+        for line in self.config_changes:
+            self._say(f"config: {line}")
         self.loader.load_state_dict(state.loader)
         set_rng_state(state.rng_for(self.engine.rank, self.engine.world_size))
         self.step, self.tokens = state.step, state.tokens
@@ -503,3 +516,12 @@ class Trainer:
             x, max_new_tokens, temperature=0.8, top_k=50, generator=gen, eos_id=tok.eos_id, vocab_size=tok.vocab_size
         )
         return tok.decode(out[0].tolist())
+
+
+def _resolved(stored: str) -> str:
+    """A checkpoint's config as this code resolves it (keys added since get their defaults), so only real
+    changes differ; the stored text itself if this code no longer reads it."""
+    try:
+        return run_config_from_dict(tomllib.loads(stored)).to_toml()
+    except (ConfigError, tomllib.TOMLDecodeError):
+        return stored

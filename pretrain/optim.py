@@ -65,3 +65,19 @@ def lr_multiplier(step: int, cfg: TrainConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, cfg))
+
+
+def apply_hyperparameters(scheduler: torch.optim.lr_scheduler.LambdaLR, cfg: TrainConfig) -> None:
+    """Write ``cfg``'s learning rate, betas, eps and weight decay into an optimizer restored from a checkpoint
+    (its state carries the values it was saved with), keeping the schedule's position: a relaunch's new
+    ``train.lr`` applies from the resume step on."""
+    optimizer = scheduler.optimizer
+    scheduler.base_lrs = [cfg.lr for _ in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["initial_lr"] = cfg.lr
+        group["lr"] = cfg.lr * lr_multiplier(scheduler.last_epoch, cfg)
+        group["betas"] = (cfg.beta1, cfg.beta2)
+        group["eps"] = cfg.eps
+        if group.get("name") == "decay":
+            group["weight_decay"] = cfg.weight_decay
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]  # what get_last_lr() reports

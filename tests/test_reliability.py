@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import REPO
+from tests.conftest import REPO, reseal_checkpoint
 
 TINY = REPO / "launch" / "configs" / "tiny.toml"
 
@@ -287,6 +287,7 @@ def test_eval_json_has_no_bare_nan(trained, tmp_path, capsys):
     shutil.copytree(sorted((trained["run"] / "checkpoints").glob("step_*"))[-1], ckpt)
     weights = load_file(ckpt / "model.safetensors")
     save_file({k: torch.full_like(v, float("nan")) for k, v in weights.items()}, ckpt / "model.safetensors")
+    reseal_checkpoint(ckpt)  # a NaN checkpoint as training would have written it
     code, err = run_cli(
         ["eval.run", "--checkpoint", str(ckpt), "--tasks", "ppl", "--out", str(tmp_path / "r.json")], capsys
     )

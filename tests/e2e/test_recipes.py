@@ -14,13 +14,13 @@ retrofitted with Focus, centroid-only (``train.trainable = *.core.*``, the sched
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from run.engines import ENGINE_SPECS
+from tests.conftest import reseal_checkpoint
 from tests.e2e.helpers import (
     HAVE_DEEPSPEED,
     all_losses,
@@ -265,11 +265,7 @@ def test_ddp_resumes_a_checkpoint_written_while_lambda_was_0_dim(tmp_path, cache
     save_file(
         {k: (v.reshape(()) if k.endswith(".lam") else v) for k, v in weights.items()}, checkpoint / "model.safetensors"
     )
-    meta = json.loads((checkpoint / "meta.json").read_text())
-    if "files" in meta:  # the sizes the resume checks the files against: those of the rewritten files
-        files = sorted(f for f in checkpoint.rglob("*") if f.is_file() and f.name != "meta.json")
-        meta["files"] = {str(f.relative_to(checkpoint)): f.stat().st_size for f in files}
-        (checkpoint / "meta.json").write_text(json.dumps(meta))
+    reseal_checkpoint(checkpoint)  # the sizes and checksums the resume checks: those of the rewritten files
     status = run_sequence(2, {"resume": overrides(stopped, cache_dir, **args)}, tmp_path / "b.json")
     assert status["resume"] == "ok", status
     got, ref = train_rows(stopped), train_rows(full)

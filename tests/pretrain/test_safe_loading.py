@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import json
 import os
 import pickle
 import shutil
@@ -28,7 +27,7 @@ import torch
 
 from core.errors import ConfigError
 from run import safe_load
-from tests.conftest import REPO
+from tests.conftest import REPO, reseal_checkpoint
 
 
 class Payload:
@@ -291,17 +290,6 @@ def deepspeed_run(tmp_path_factory, cache_dir) -> Path:
     return _trained(tmp_path_factory, cache_dir, "deepspeed", 2, DEEPSPEED)
 
 
-def rerecord_sizes(checkpoint: Path) -> None:
-    """Make ``meta.json``'s recorded file sizes match the planted files, as whoever planted them could:
-    the readers, not the size check, must be what stops them."""
-    meta_file = checkpoint / "meta.json"
-    meta = json.loads(meta_file.read_text())
-    for name in meta.get("files", {}):
-        if (checkpoint / name).is_file():
-            meta["files"][name] = (checkpoint / name).stat().st_size
-    meta_file.write_text(json.dumps(meta))
-
-
 def _copy(run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the run and its checkpoint directory."""
     copy = tmp_path / "run"
@@ -354,7 +342,7 @@ def test_single_checkpoint_planted(single_run, cache_dir, tmp_path, name):
     marker = tmp_path / "ran"
     run_dir, checkpoint = _copy(single_run, tmp_path)
     plant_torch_file(checkpoint / name, marker)
-    rerecord_sizes(checkpoint)
+    reseal_checkpoint(checkpoint)
     if name == "trainer.pt":  # evaluation and export read it too (before a resume may rewrite the run)
         evaluate = _cli(
             "eval.run", "--checkpoint", str(checkpoint), "--tasks", "ppl", "--out", str(tmp_path / "e.json")
@@ -374,7 +362,7 @@ def test_ddp_checkpoint_planted_metadata(ddp_run, cache_dir, tmp_path):
     marker = tmp_path / "ran"
     run_dir, checkpoint = _copy(ddp_run, tmp_path)
     plant_dcp_metadata(checkpoint / "dcp", marker)
-    rerecord_sizes(checkpoint)
+    reseal_checkpoint(checkpoint)
     shards = _shards_only(checkpoint, tmp_path)
     assert_cli_refused(_export(shards, tmp_path), shards / "dcp" / ".metadata", marker)
     resume = _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"}, **RESUME))
@@ -390,7 +378,7 @@ def test_ddp_checkpoint_planted_distcp_entries(ddp_run, cache_dir, tmp_path):
     plant_distcp_entry(shards / "dcp", marker, tensor=True)
     assert_cli_refused(_export(shards, tmp_path), shards / "dcp", marker)
     fqn = plant_distcp_entry(checkpoint / "dcp", marker, tensor=False)
-    rerecord_sizes(checkpoint)
+    reseal_checkpoint(checkpoint)
     resume = _launch(2, _args(run_dir, cache_dir, {"train.engine": "ddp"}, **RESUME))
     assert_resume_refused(resume, checkpoint / "dcp", marker, 1)
     assert fqn in resume.stdout + resume.stderr
@@ -407,7 +395,7 @@ def test_deepspeed_checkpoint_planted(deepspeed_run, cache_dir, tmp_path, patter
     run_dir, checkpoint = _copy(deepspeed_run, tmp_path)
     (planted,) = sorted((checkpoint / "ds").glob(pattern))
     plant_torch_file(planted, marker, safe_load.deepspeed_globals())
-    rerecord_sizes(checkpoint)
+    reseal_checkpoint(checkpoint)
     shards = _shards_only(checkpoint, tmp_path)
     assert_cli_refused(_export(shards, tmp_path), shards / "ds" / planted.name, marker)
     resume = _launch(2, _args(run_dir, cache_dir, DEEPSPEED, **RESUME))
