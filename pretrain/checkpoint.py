@@ -9,6 +9,7 @@ only a temporary directory that ``latest_checkpoint`` never returns. Reading is 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -40,6 +41,7 @@ from run.checkpoint import (  # noqa: F401
 )
 
 DAMAGED_DIR = "damaged"
+LOW_SPACE = 256 << 20  # a failed write with less free than this is taken for a full disk
 
 
 def _fsync_tree(path: Path) -> None:
@@ -107,9 +109,16 @@ def save_checkpoint(
             shutil.rmtree(tmp)
         tmp.mkdir()
     tmp = Path(coord.broadcast_object(str(tmp) if tmp else None))
-    write_engine_state(tmp)
-    if coord.is_main:
-        torch.save(trainer_state, tmp / TRAINER_STATE)
+    try:
+        write_engine_state(tmp)
+        if coord.is_main:
+            torch.save(trainer_state, tmp / TRAINER_STATE)
+    except Exception as exc:
+        full = _disk_full(exc, tmp)
+        if full is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays behind
+        raise full from None
     coord.barrier()  # every rank's files are in place
     # every file's size and content checksum, so a reader can tell a damaged checkpoint (truncated, emptied,
     # bits flipped on disk) from a good one; each rank hashes its share of the files
@@ -140,6 +149,24 @@ def save_checkpoint(
     prune(run_dir, keep)
     coord.barrier()
     return final
+
+
+def _disk_full(exc: BaseException, where: Path) -> OSError | None:
+    """One OSError line naming the place and the free space when a write failed for want of space (torch.save
+    says only "iostream error", safetensors "No space left on device" inside its own error type); None when
+    the failure was something else."""
+    try:
+        free = shutil.disk_usage(where if where.exists() else where.parent).free
+    except OSError:
+        return None
+    no_space = (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left" in str(exc)
+    if not no_space and free >= LOW_SPACE:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the device while writing a checkpoint ({free / 2**20:.0f} MiB free)",
+        str(where),
+    )
 
 
 def prune(run_dir: Path, keep: int) -> None:

@@ -41,6 +41,7 @@ from pretrain.metrics import peak_flops
 from pretrain.optim import apply_hyperparameters
 from pretrain.signals import PREEMPTED_MARKER, SignalHandler
 from pretrain.state import TrainState
+from run.checkpoint import NewerFormat
 from run.config import RunConfig, run_config_from_dict
 
 
@@ -268,6 +269,8 @@ class Trainer:
             try:
                 ckpt.verify_checkpoint(path, key="resume", all_files=True, share=share)
                 problem = None
+            except NewerFormat:
+                raise  # written by newer code: not damaged, and falling back would discard its training
             except ConfigError as exc:
                 problem = str(exc)
             problems = [p for p in self.engine.gather_object(problem) if p]

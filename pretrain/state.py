@@ -11,7 +11,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-FORMAT = 2  # 1: the plain dict written before this class (no "format" key); 2: this class
+from run.checkpoint import TRAINER_STATE_FORMAT, NewerFormat
+
+FORMAT = TRAINER_STATE_FORMAT  # 1: the plain dict written before this class (no "format" key); 2: this class
 
 
 @dataclass
@@ -34,7 +36,7 @@ class TrainState:
         state = dict(state)
         version = state.pop("format", 1)
         if version > FORMAT:
-            raise ValueError(f"trainer.pt: format {version} is newer than this code reads ({FORMAT}); update the code")
+            raise NewerFormat(f"trainer.pt: format {version} is newer than this code reads ({FORMAT}); update the code")
         # format 1, as first written by single-process runs: one RNG state and one loader state
         if not isinstance(state.get("rng"), list):
             state["rng"] = [state["rng"]] if "rng" in state else []

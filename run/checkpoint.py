@@ -26,6 +26,13 @@ TMP_PREFIX = ".tmp-"
 META = "meta.json"
 TRAINER_STATE = "trainer.pt"
 MODEL_FILE = "model.safetensors"  # consolidated weights (single engine; other engines export to it)
+# trainer.pt's layout: 1, the plain dict written before pretrain.state.TrainState (no "format" key); 2, TrainState
+TRAINER_STATE_FORMAT = 2
+
+
+class NewerFormat(ConfigError):
+    """A checkpoint written by newer code: refused everywhere, never taken for a damaged one (falling back to an
+    older checkpoint would throw the newer training away)."""
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -110,6 +117,12 @@ def verify_checkpoint(
         raise ConfigError(f"{key}: {state_file} is damaged ({_why(exc)})") from None
     if not isinstance(state, dict) or "step" not in state or not isinstance(state.get("config"), str):
         raise ConfigError(f"{key}: {state_file} is not a trainer state (no step / config)")
+    version = state.get("format", 1)
+    if not isinstance(version, int) or version > TRAINER_STATE_FORMAT:
+        raise NewerFormat(
+            f"{key}: {state_file} has format {version!r}, newer than this code reads ({TRAINER_STATE_FORMAT}); "
+            "update focused-pretrain to read it"
+        )
     weights = path / MODEL_FILE
     if weights.is_file():
         from safetensors import safe_open

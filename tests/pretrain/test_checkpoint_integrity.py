@@ -138,3 +138,54 @@ def test_verifying_one_gib_in_the_page_cache_takes_under_1_5_s(tmp_path):
     start = time.perf_counter()
     checksums.file_digest(path)
     assert time.perf_counter() - start < 1.5
+
+
+@pytest.mark.parametrize(
+    "failure",
+    [RuntimeError("basic_ios::clear: iostream error"), OSError(28, "No space left on device")],
+    ids=["torch-save", "oserror"],
+)
+def test_a_full_disk_during_a_save_is_one_line_with_the_place_and_free_space(tmp_path, monkeypatch, failure):
+    """torch.save on a full disk raises a bare RuntimeError; the save names the place and the free space and
+    leaves no temporary directory."""
+    import collections
+
+    def full(_directory):
+        raise failure
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda _p: usage(10 << 30, (10 << 30) - (3 << 20), 3 << 20))
+    with pytest.raises(OSError) as info:
+        ckpt.save_checkpoint(tmp_path, 1, write_engine_state=full, trainer_state={"step": 1}, keep=1)
+    assert info.value.errno == 28 and info.value.strerror.endswith("(3 MiB free)")
+    assert info.value.filename.startswith(str(tmp_path / "checkpoints"))
+    assert ckpt.leftover_temporaries(tmp_path) == []
+
+
+def test_a_write_failure_with_space_left_is_not_called_a_full_disk(tmp_path):
+    def broken(_directory):
+        raise RuntimeError("something else")
+
+    with pytest.raises(RuntimeError, match="something else"):
+        ckpt.save_checkpoint(tmp_path, 1, write_engine_state=broken, trainer_state={"step": 1}, keep=1)
+
+
+def test_a_newer_trainer_state_format_is_refused_not_taken_for_damage(tmp_path):
+    """Resume, export and eval refuse a checkpoint written by newer code with one line (resume does not fall
+    back to an older checkpoint: that would throw the newer training away)."""
+    import torch
+
+    from run.checkpoint import NewerFormat, verify_checkpoint
+
+    path = ckpt.save_checkpoint(
+        tmp_path,
+        1,
+        write_engine_state=lambda d: (d / "model.safetensors").write_bytes(b"x"),
+        trainer_state={"format": 99, "step": 1, "config": ""},
+        keep=1,
+    )
+    (path / "model.safetensors").unlink()  # no weights check in the way: a dcp/ directory stands in
+    (path / "dcp").mkdir()
+    with pytest.raises(NewerFormat, match=r"^--checkpoint: .*trainer.pt has format 99, newer than this code reads"):
+        verify_checkpoint(path)
+    assert torch.load(path / "trainer.pt")["format"] == 99
