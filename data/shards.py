@@ -291,6 +291,16 @@ class TokenStream:
         number = int(np.searchsorted(self.ends, i, side="right"))
         return self.shard(number)[i - int(self.begins[number])]
 
+    def locate(self, position: int, token: int, vocab_size: int) -> str:
+        """One line naming the shard and the offset in it of a token id beyond the vocabulary."""
+        number = int(np.searchsorted(self.ends, position, side="right"))
+        offset = position - int(self.begins[number])
+        return (
+            f"data.path: shard {self.paths[number]} holds token id {token} at token offset {offset}, beyond the "
+            f"vocabulary of {vocab_size} ids in {INDEX_FILE}; the shard is damaged or from another tokenizer, "
+            "re-run python -m data.prepare"
+        )
+
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         whole = self.shard(0) if len(self.paths) == 1 else self[:]
         return whole if dtype is None else whole.astype(dtype)
@@ -302,11 +312,12 @@ class PreparedDataset:
     Consecutive windows share one token, so every token is a target exactly once.
     """
 
-    def __init__(self, stream: TokenStream, seq_len: int):
+    def __init__(self, stream: TokenStream, seq_len: int, vocab_size: int | None = None):
         if seq_len < 1:
             raise ConfigError(f"data.seq_len: must be >= 1, got {seq_len}")
         self.stream = stream
         self.seq_len = seq_len
+        self.vocab_size = vocab_size  # token ids must be below it: checked per read (a max over the batch)
 
     @property
     def tokens(self) -> TokenStream:
@@ -324,15 +335,19 @@ class PreparedDataset:
         return idx * self.seq_len
 
     def __getitem__(self, i: int) -> torch.Tensor:
-        import torch
 
-        return torch.from_numpy(self.stream.gather(self._starts([int(i)]), self.seq_len + 1)[0])
+        return self.batch([int(i)])[0]
 
     def batch(self, indices: Sequence[int]) -> torch.Tensor:
         """LongTensor [len(indices), seq_len + 1]."""
         import torch
 
-        return torch.from_numpy(self.stream.gather(self._starts(indices), self.seq_len + 1))
+        starts = self._starts(indices)
+        out = self.stream.gather(starts, self.seq_len + 1)
+        if self.vocab_size is not None and out.size and int(out.max()) >= self.vocab_size:
+            row, col = (int(x[0]) for x in np.nonzero(out >= self.vocab_size))
+            raise ConfigError(self.stream.locate(int(starts[row]) + col, int(out[row, col]), self.vocab_size))
+        return torch.from_numpy(out)
 
 
 # ---- opening ------------------------------------------------------------------------------
@@ -417,7 +432,7 @@ def open_split(directory: str | Path, index: dict, split: str, seq_len: int) -> 
         if shard["tokens"]:  # an empty file cannot be memory-mapped; it adds nothing to the stream
             paths.append(path)
             sizes.append(shard["tokens"])
-    return PreparedDataset(TokenStream(paths, sizes, index["dtype"]), seq_len)
+    return PreparedDataset(TokenStream(paths, sizes, index["dtype"]), seq_len, vocab_size=index.get("vocab_size"))
 
 
 def open_prepared(directory: str | Path, seq_len: int) -> tuple[PreparedDataset, PreparedDataset, dict]:

@@ -248,6 +248,26 @@ def test_damaged_directory_gives_one_line_errors(tmp_path, corpus, sp_path):
         open_prepared(tmp_path, 8)
 
 
+def test_a_token_id_beyond_the_vocabulary_names_the_shard_and_offset(tmp_path, corpus, sp_path):
+    """A shard damaged in place (same size) with an id past the vocabulary: the read that meets it is one line
+    naming the shard and the token offset in it, not an IndexError in the embedding."""
+    import numpy as np
+
+    res = run_prepare(corpus, tmp_path / "out", tokenizer=load_tokenizer(sp_path), shard_tokens=97)
+    shard = res.out / "train_00001.bin"
+    tokens = np.fromfile(shard, dtype=np.uint16)
+    tokens[41] = res.index["vocab_size"] + 3
+    tokens.tofile(shard)
+    train, _, _ = open_prepared(res.out, 8)
+    train.batch(range(10))  # train_00000 only: nothing wrong there
+    with pytest.raises(ConfigError) as err:
+        train.batch(range(len(train)))
+    assert str(err.value).startswith(
+        f"data.path: shard {shard} holds token id {res.index['vocab_size'] + 3} at token offset 41, beyond the "
+        f"vocabulary of {res.index['vocab_size']} ids"
+    )
+
+
 _WRITE = SplitWriter.write
 
 
