@@ -141,12 +141,37 @@ class ModelConfig:
             )
         if self.uses_rope and self.head_dim % 2:
             raise ConfigError(f"model.n_heads: RoPE needs an even head dimension, got {self.head_dim}")
+        self._check_max_seq_len()
         check_range("model.dropout", self.dropout, 0.0, 1.0, open_high=True)
         check_range("model.init_std", self.init_std, 0.0, 1.0, open_low=True)  # torch refuses std < 0 mid-build
         check_min("model.norm_eps", self.norm_eps, 0.0)
         check_min("model.d_ff", self.d_ff, 0, note=" (0 = the family's default)")
         self.rope.validate()
         self.attention.validate()
+
+    def _check_max_seq_len(self) -> None:
+        """Learned positions (GPT-2) are a [max_seq_len, d_model] table: refuse one larger than the rest of
+        the model, which is a typo or a misplaced context length rather than a design. RoPE positions are
+        float32 angles, exact for integer positions up to 2^24 only."""
+        if self.max_seq_len > MAX_ROPE_POSITIONS:
+            raise ConfigError(
+                f"model.max_seq_len: {self.max_seq_len:,} is beyond {MAX_ROPE_POSITIONS:,} positions (2^24: float32 "
+                "positions and RoPE angles stop being exact there)"
+            )
+        if self.uses_rope:
+            return
+        table = self.max_seq_len * self.d_model
+        rest = self.n_layers * (4 * self.d_model**2 + 3 * self.d_model * self.ffn_dim) + self.vocab_size * self.d_model
+        if table > rest:
+            raise ConfigError(
+                f"model.max_seq_len: a learned position table of {self.max_seq_len:,} x {self.d_model} "
+                f"({table * 4 / 2**30:.2f} GiB in float32) would outweigh the rest of the model "
+                f"({rest * 4 / 2**30:.2f} GiB); learned positions (model.family = gpt2) are for short contexts: lower "
+                "it or use a RoPE family (llama)"
+            )
+
+
+MAX_ROPE_POSITIONS = 2**24
 
 
 # ---- presets ------------------------------------------------------------------------

@@ -106,3 +106,20 @@ def test_hub_sources_validate_offline_and_check_their_configs():
     assert cfg.data.is_streaming and cfg.data.stream_config(seed=1).config_name == "sample-100BT"
     with pytest.raises(ConfigError, match="sample-1T"):
         load_run_config(TINY, ["data.source=fineweb-edu", "data.name=sample-1T"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.max_seq_len=1000000000"], r"^model.max_seq_len: 1,000,000,000 is beyond 16,777,216 positions"),
+        (
+            ['model.preset="gpt2-124m"', "model.max_seq_len=1000000"],
+            r"^model.max_seq_len: a learned position table of 1,000,000 x 768 \(2.86 GiB in float32\) would outweigh",
+        ),
+    ],
+    ids=["rope-positions", "learned-table"],
+)
+def test_an_impossible_max_seq_len_is_one_line(overrides, message):
+    """Issue 30: GPT-2 tried to allocate 1 TB for max_seq_len=1e9; LLaMA trained on with it."""
+    with pytest.raises(ConfigError, match=message):
+        load_run_config(REPO / "launch" / "configs" / "tiny.toml", overrides)
