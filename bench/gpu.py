@@ -310,6 +310,8 @@ def run_items(
         signal.signal(signal.SIGALRM, previous)
         report["meta"]["elapsed_s"] = time.perf_counter() - start
         report["meta"]["loadavg_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        if "attention_meta" in report:
+            report["attention_meta"]["loadavg_end"] = report["meta"]["loadavg_end"]
         gpu_report.write(report, out)
 
 
