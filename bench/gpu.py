@@ -104,7 +104,7 @@ QUICK_PLAN = Plan(
 @dataclass
 class Item:
     name: str
-    run: Callable[[float], dict[str, Any]]  # given its deadline (time.perf_counter()), returns its figures
+    run: Callable[[float], dict[str, Any]]  # given a deadline to stop by (time.perf_counter()), returns its figures
     cap_s: float  # cut off past this many seconds
     min_s: float = 15.0  # not started with less of the budget left
 
@@ -133,7 +133,9 @@ def cases(labels: tuple[str, ...] | None = None, backward: bool = True) -> list[
     return chosen if backward else [dataclasses.replace(c, backward=False) for c in chosen]
 
 
-def forward_item(chosen: list[attn.Case], lengths: list[int], device: str, plan: Plan, quick: bool):
+def forward_item(
+    chosen: list[attn.Case], lengths: list[int], device: str, plan: Plan, quick: bool
+) -> Callable[[float], dict[str, Any]]:
     def run(deadline: float) -> dict[str, Any]:
         skipped: list[str] = []
         rows = attn.bench_forward(
@@ -152,7 +154,7 @@ def forward_item(chosen: list[attn.Case], lengths: list[int], device: str, plan:
     return run
 
 
-def decode_item(chosen: list[attn.Case], context: int, device: str, plan: Plan):
+def decode_item(chosen: list[attn.Case], context: int, device: str, plan: Plan) -> Callable[[float], dict[str, Any]]:
     def run(deadline: float) -> dict[str, Any]:
         skipped: list[str] = []
         rows = attn.bench_decode(
@@ -195,7 +197,7 @@ class PytestRun:
     def __call__(self, deadline: float) -> dict[str, Any]:
         self.start()
         assert self.proc is not None
-        timeout = max(1.0, deadline - time.perf_counter() - 5)
+        timeout = max(1.0, deadline - time.perf_counter())
         try:
             code = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -284,7 +286,9 @@ def run_items(
             t0, cpu0 = time.perf_counter(), time.process_time()
             try:
                 signal.setitimer(signal.ITIMER_REAL, limit)
-                entry.update(status="ok", result=item.run(t0 + limit))
+                # the item's own deadline comes before the timer's, so that one which can stop early (the training
+                # steps, pytest) stops with what it has measured instead of being cut off
+                entry.update(status="ok", result=item.run(t0 + limit - min(0.1 * limit, 10.0)))
             except Cutoff:
                 why = "the budget" if limit < item.cap_s else f"its cap of {item.cap_s:.0f} s"
                 entry.update(status="cut off", note=f"stopped at {limit:.0f} s ({why})")
