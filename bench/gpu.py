@@ -2,9 +2,10 @@
 
 On one CUDA device: the training-step benchmark (``bench.train_step``: tokens/s, step time, peak memory, MFU per
 trainable variant), ``bench.attention``'s figures for every variant (forward, forward+backward, peak memory, decode)
-and the CUDA test suite (pytest in a child process, counted from its JUnit XML). Writes ``DIR/gpu_suite.json`` and
-``DIR/gpu_suite.md`` (``bench.gpu_report``: device, torch / CUDA versions, commit, command, a headline table against
-the goals, every item's status) after every item, so a run cut off anywhere still reports what it measured.
+and the CUDA test suite (pytest in a child process, each outcome counted as it finishes). Writes
+``DIR/gpu_suite.json`` and ``DIR/gpu_suite.md`` (``bench.gpu_report``: device, torch / CUDA versions, commit, command,
+a headline table against the goals, every item's status) after every item, so a run cut off anywhere still reports
+what it measured.
 
 Order: the work is a list of items run in turn until ``--budget`` seconds are spent, the most important first:
 
@@ -13,7 +14,8 @@ Order: the work is a list of items run in turn until ``--budget`` seconds are sp
 3. ``focus hard forward``: Focus hard k = 1 (K = 4 and 8) beside full attention at 16K and 64K, forward.
 4. ``decode``: one token at a 16K context for full attention, Focus hard k = 1 and DGA.
 5. ``tests``: the CUDA test suite (``tests/attention/test_gpu_suite.py``, and the shared suite
-   ``tests/attention/test_suite.py``, which runs on the device when there is one), fast tier.
+   ``tests/attention/test_suite.py``, which runs on the device when there is one), fast tier; counted per test as
+   it finishes, so a cut-off run still counts what ran.
 6. ``train llama-124m <variant>``: full attention and every trainable variant.
 7. ``attention T=...``: every variant at 4K, 16K and 64K (forward, forward+backward, peak memory), then
    ``attention decode``: every variant's decode at 16K.
@@ -32,13 +34,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 import traceback
-import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +51,7 @@ import torch
 
 from bench import attention as attn
 from bench import gpu_report, train_step
+from bench.pytest_outcomes import OUTCOMES_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
@@ -170,23 +173,25 @@ def attention_dtype(device: str) -> torch.dtype:
 
 
 class PytestRun:
-    """pytest (fast tier) on ``paths`` in a child process, its output in ``DIR/tests.log``; counts and failing test
-    ids from its JUnit XML (``DIR/tests.xml``). ``start`` may come early (the quick run overlaps it with the other
-    items; a GPU run starts it in turn, so that it does not disturb the timings)."""
+    """pytest (fast tier) on ``paths`` in a child process, its output in ``DIR/tests.log``; each test's outcome is
+    written as it finishes (``bench.pytest_outcomes``, ``DIR/tests.jsonl``), so a run stopped at its deadline still
+    reports the counts so far. ``start`` may come early (the quick run overlaps it with the other items; a GPU run
+    starts it in turn, so that it does not disturb the timings)."""
 
     def __init__(self, paths: list[str], out: Path):
-        self.paths, self.xml, self.log = paths, out / "tests.xml", out / "tests.log"
+        self.paths, self.outcomes, self.log = paths, out / "tests.jsonl", out / "tests.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         if self.proc is not None:
             return
+        self.outcomes.unlink(missing_ok=True)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
-        self.xml.unlink(missing_ok=True)
+        env[OUTCOMES_ENV] = str(self.outcomes)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_outcomes"]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [*cmd, f"--junitxml={self.xml}", *self.paths], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+                [*cmd, "-m", "not slow", *self.paths], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
             )
 
     def stop(self) -> None:
@@ -199,32 +204,40 @@ class PytestRun:
         assert self.proc is not None
         timeout = max(1.0, deadline - time.perf_counter())
         try:
-            code = self.proc.wait(timeout=timeout)
+            code: int | None = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             self.stop()
-            raise RuntimeError(f"pytest passed its {timeout:.0f} s: {self._tail()}") from None
+            code = None
         except BaseException:
             self.stop()
             raise
-        if not self.xml.is_file():
-            raise RuntimeError(f"pytest wrote no report (exit {code}): {self._tail()}")
-        return {**junit_counts(self.xml), "exit_code": code, "summary": self._tail(1), "paths": self.paths}
+        counts = outcome_counts(self.outcomes)
+        if code is not None and code not in (0, 1, 5):  # 1: tests failed, 5: none collected; others: pytest failed
+            raise RuntimeError(f"pytest exited {code}: {self._tail()}")
+        return {
+            **counts,
+            "finished": code is not None,
+            "exit_code": code,
+            "summary": self._tail(1) if code is not None else f"stopped at its deadline ({timeout:.0f} s)",
+            "paths": self.paths,
+        }
 
     def _tail(self, lines: int = 5) -> str:
         text = self.log.read_text(errors="replace") if self.log.is_file() else ""
         return " / ".join(text.strip().splitlines()[-lines:])[-600:]
 
 
-def junit_counts(xml: Path) -> dict[str, Any]:
-    """Tests, passed, failed, errors, skipped and the failing test ids of a JUnit XML report."""
+def outcome_counts(path: Path) -> dict[str, Any]:
+    """Tests, passed, failed, errors, skipped and the failing test ids from ``bench.pytest_outcomes``' lines."""
     counts: dict[str, Any] = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
     failures: list[str] = []
-    for case in ET.parse(xml).getroot().iter("testcase"):
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        row = json.loads(line)
         counts["tests"] += 1
-        outcome = next((child.tag for child in case if child.tag in ("failure", "error", "skipped")), "passed")
-        counts[{"failure": "failed", "error": "errors"}.get(outcome, outcome)] += 1
-        if outcome in ("failure", "error"):
-            failures.append(f"{case.get('classname')}::{case.get('name')}")
+        counts[{"error": "errors"}.get(row["outcome"], row["outcome"])] += 1
+        if row["outcome"] in ("failed", "error"):
+            failures.append(row["id"])
     return {**counts, "failures": failures}
 
 

@@ -4,6 +4,7 @@ against hand counts, the suite's budget / error handling, and its quick run's tw
 from __future__ import annotations
 
 import json
+import resource
 import time
 
 import pytest
@@ -131,13 +132,35 @@ def test_the_run_reports_errors_and_cut_off_items_and_goes_on(tmp_path):
     assert "| hangs | cut off |" in md and "ValueError: no kernel for this" in md
 
 
+def test_test_outcomes_are_counted_per_line(tmp_path):
+    lines = [
+        {"id": "a.py::ok", "outcome": "passed"},
+        {"id": "a.py::bad", "outcome": "failed"},
+        {"id": "a.py::broken_fixture", "outcome": "error"},
+        {"id": "a.py::no_cuda", "outcome": "skipped"},
+    ]
+    path = tmp_path / "tests.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    counts = gpu.outcome_counts(path)
+    assert {k: counts[k] for k in ("tests", "passed", "failed", "errors", "skipped")} == {
+        "tests": 4,
+        "passed": 1,
+        "failed": 1,
+        "errors": 1,
+        "skipped": 1,
+    }
+    assert counts["failures"] == ["a.py::bad", "a.py::broken_fixture"]
+    assert gpu.outcome_counts(tmp_path / "absent.jsonl")["tests"] == 0  # killed before the first test
+
+
 @pytest.mark.slow
 def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
-    """The CI run: every item on tiny shapes, within 60 s of wall time; both reports carry the environment, the
-    headline and every item's figures."""
-    start = time.perf_counter()
-    proc = run_cli("bench.gpu", "--device", "cpu", "--quick", "--out", tmp_path, timeout=180)
-    wall = time.perf_counter() - start
+    """The CI run: every item on tiny shapes; both reports carry the environment, the headline and every item's
+    figures."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = run_cli("bench.gpu", "--device", "cpu", "--quick", "--out", tmp_path, timeout=300)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)  # it and its pytest child
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu_suite.json").read_text())
     meta = report["meta"]
@@ -152,7 +175,7 @@ def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
     for r in trains:
         assert r["finite"] and r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and "mfu" in r
     tests = next(i["result"] for i in report["items"] if i["name"] == "tests")
-    assert tests["tests"] > 0 and tests["failed"] == tests["errors"] == 0
+    assert tests["finished"] and tests["tests"] > 0 and tests["failed"] == tests["errors"] == 0
     focus = next(i["result"] for i in report["items"] if i["name"] == "focus hard forward")
     assert {r["T"] for r in focus["forward"]} == set(gpu.QUICK_PLAN.focus_lengths)
     decode = next(i["result"] for i in report["items"] if i["name"] == "decode")
@@ -162,4 +185,6 @@ def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
     md = (tmp_path / "gpu_suite.md").read_text()
     for needle in ("## Headline", "## Training step", "## Attention", meta["commit"], meta["device"], "torch "):
         assert needle in md, needle
-    assert wall < 90, f"the quick suite took {wall:.0f} s"  # 60 s is the goal on a loaded 2-core machine
+    # CPU time, not wall time, so that the check holds however loaded the machine is: 13-14 s measured on the
+    # 2-core VM, where the wall time was 53-72 s at a load average of 16-18
+    assert cpu < 30, f"the quick suite took {cpu:.0f} s of CPU time"
