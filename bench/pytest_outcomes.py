@@ -17,9 +17,6 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     # one line per test: its call, or the setup that failed or skipped it, or a failing teardown (an error)
     if not path or not (report.when == "call" or report.outcome != "passed"):
         return
-    if report.when == "call" or report.outcome == "skipped":
-        outcome = report.outcome
-    else:
-        outcome = "error"
+    outcome: str = report.outcome if report.when == "call" or report.outcome == "skipped" else "error"
     with open(path, "a") as f:
         f.write(json.dumps({"id": report.nodeid, "outcome": outcome}) + "\n")
