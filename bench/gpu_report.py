@@ -81,16 +81,17 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
         full = next((r for r in train if r["preset"] == preset and r["kind"] == "full"), None)
         if full is None:
             continue
-        if full["mfu"] is not None:
-            goal = MFU_GOAL if preset == HEADLINE_PRESET else None
-            rows.append(
-                {
-                    "what": f"{preset} full attention MFU (T={full['seq_len']})",
-                    "value": f"{full['mfu']:.1%} ({full['tokens_per_s']:,.0f} tok/s)",
-                    "goal": f">= {goal:.0%} on an H100" if goal else "",
-                    "met": (full["mfu"] >= goal) if goal else None,
-                }
-            )
+        goal = MFU_GOAL if preset == HEADLINE_PRESET else None
+        known = full["mfu"] is not None
+        rows.append(
+            {
+                "what": f"{preset} full attention MFU (T={full['seq_len']})",
+                "value": (f"{full['mfu']:.1%}" if known else "- (device peak unknown)")
+                + f" ({full['tokens_per_s']:,.0f} tok/s)",
+                "goal": f">= {goal:.0%} on an H100" if goal else "",
+                "met": (full["mfu"] >= goal) if goal and known else None,
+            }
+        )
         for r in train:
             if r["preset"] == preset and r["kind"] != "full":
                 ratio = r["step_s"] / full["step_s"]
@@ -154,8 +155,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"- Commit: `{meta['commit']}`.",
         f"- Command: `{meta['command']}`.",
         f"- Budget: {meta['budget_s']:.0f} s; elapsed {meta.get('elapsed_s', 0):.0f} s; "
-        f"{'finished' if meta.get('finished') else 'in progress or cut off'}. Load average at the start "
-        f"{meta['loadavg_start']}.",
+        f"{'went through its list' if meta.get('finished') else 'in progress, or stopped'}: {_statuses(report)}. "
+        f"Load average at the start {meta['loadavg_start']}.",
         "",
         "## Headline",
         "",
@@ -197,6 +198,13 @@ def markdown(report: dict[str, Any]) -> str:
         for i in errors:
             lines += [f"### {i['name']}", "", "```", i.get("error", i.get("note", "")), "```", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _statuses(report: dict[str, Any]) -> str:
+    counts: dict[str, int] = {}
+    for item in report["items"]:
+        counts[item["status"]] = counts.get(item["status"], 0) + 1
+    return ", ".join(f"{n} {status}" for status, n in counts.items()) or "no items yet"
 
 
 def _peak_text(peak: float | None) -> str:
