@@ -202,8 +202,10 @@ RATIOS = {
 
 
 def bench_forward(
-    cases, lengths, device, dtype, repeat, dense_gib, max_seconds, skipped: list[str]
+    cases, lengths, device, dtype, repeat, dense_gib, max_seconds, skipped: list[str], cpu_memory: bool = True
 ) -> list[dict[str, Any]]:
+    """Forward (and forward+backward) rows per case and length; ``cpu_memory=False`` leaves out the CPU peak-memory
+    child (a process per length: too slow for a smoke run)."""
     rows = []
     skip = Skipper(max_seconds)
     for t in lengths:
@@ -251,7 +253,7 @@ def bench_forward(
                 flush=True,
             )
         at_t = [r for r in rows if r["T"] == t]
-        if device == "cpu" and at_t:
+        if device == "cpu" and at_t and cpu_memory:
             del q, k, v, hidden
             peaks = cpu_peaks(
                 t, [r["case"] for r in at_t], [r["case"] for r in at_t if r["fwd_bwd_s"] is not None], dtype

@@ -10,10 +10,12 @@ from model.transformer import Transformer
 
 
 def count_parameters(cfg: ModelConfig) -> dict[str, int]:
-    """Total and non-embedding parameters, counted on the meta device (no memory).
+    """Total, non-embedding and matmul parameters, counted on the meta device (no memory).
 
     Non-embedding excludes the token and learned position embeddings (Kaplan et al.);
-    an untied LM head is counted, since it costs matmul FLOPs.
+    an untied LM head is counted, since it costs matmul FLOPs. ``matmul_parameters`` is what
+    torchtitan multiplies by 6 for its FLOPs per token: every parameter except embedding tables,
+    a table shared with the LM head (tied) counted once as the head.
     """
     with torch.device("meta"):
         model = Transformer(cfg)
@@ -21,25 +23,24 @@ def count_parameters(cfg: ModelConfig) -> dict[str, int]:
     embedding = model.tok_emb.weight.numel()
     if model.pos_emb is not None:
         embedding += model.pos_emb.weight.numel()
-    return {"parameters": total, "non_embedding_parameters": total - embedding}
+    tied = model.lm_head.weight is model.tok_emb.weight
+    matmul = total - embedding + (model.tok_emb.weight.numel() if tied else 0)
+    return {"parameters": total, "non_embedding_parameters": total - embedding, "matmul_parameters": matmul}
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int | None = None) -> dict[str, float]:
-    """Training FLOPs per token: 6 x matmul parameters + attention (PaLM appendix B).
+    """Training FLOPs per token as torchtitan counts them (the one count the trainer's MFU and
+    ``bench.train_step`` use): ``6 N + 12 L H D T``.
 
-    Attention counts QK^T and AV for every query against every key of a length-T
-    context, 12 * L * d_attn * T per token for forward+backward (no causal discount,
-    matching how MFU is conventionally reported).
+    N is ``count_parameters``' ``matmul_parameters`` (every parameter but the embedding tables; the
+    LM head counted tied or not; norms, biases and a variant's own parameters included, as torchtitan
+    sums ``model.parameters()``). The attention term counts QK^T and AV of every query against
+    every key of a length-T context in forward and backward (2 matmuls x 2 FLOPs x 3), no causal
+    discount and no recomputation, whatever the attention variant.
     """
     seq_len = seq_len or cfg.max_seq_len
-    d, L = cfg.d_model, cfg.n_layers
-    attn_dim = cfg.n_heads * cfg.head_dim
-    kv_dim = cfg.kv_heads * cfg.head_dim
-    per_layer = d * attn_dim + 2 * d * kv_dim + attn_dim * d  # q, k, v, o
-    per_layer += (3 if cfg.family == "llama" else 2) * d * cfg.ffn_dim
-    matmul_params = L * per_layer + d * cfg.vocab_size  # LM head always a matmul (tied or not)
-    dense = 6 * matmul_params
-    attention = 12 * L * attn_dim * seq_len
+    attention = 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * seq_len
+    dense = 6 * count_parameters(cfg)["matmul_parameters"]
     return {"flops_per_token": float(dense + attention), "attention_flops_per_token": float(attention)}
 
 

@@ -70,8 +70,9 @@ def test_tied_and_untied_heads():
 
 def test_flops_per_token_by_hand():
     cfg = ModelConfig(vocab_size=100, max_seq_len=8, d_model=16, n_layers=2, n_heads=4, n_kv_heads=2, d_ff=32)
-    # per layer: q 16*16, k,v 16*8 each, o 16*16, SwiGLU 3*16*32; head 16*100
-    matmul = 2 * (256 + 128 + 128 + 256 + 3 * 16 * 32) + 1600
+    # torchtitan's N: per layer q 16*16, k,v 16*8 each, o 16*16, SwiGLU 3*16*32, two RMSNorms 2*16; final
+    # RMSNorm 16; head 16*100 (the token embedding is left out)
+    matmul = 2 * (256 + 128 + 128 + 256 + 3 * 16 * 32 + 2 * 16) + 16 + 1600
     f = flops_per_token(cfg, seq_len=8)
     assert f["attention_flops_per_token"] == 12 * 2 * 16 * 8
     assert f["flops_per_token"] == 6 * matmul + 12 * 2 * 16 * 8

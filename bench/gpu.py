@@ -1,0 +1,381 @@
+"""The GPU measured in one call: ``python -m bench.gpu --out DIR [--budget 540] [--only WORDS]``.
+
+On one CUDA device: the training-step benchmark (``bench.train_step``: tokens/s, step time, peak memory, MFU per
+trainable variant), ``bench.attention``'s figures for every variant (forward, forward+backward, peak memory, decode)
+and the CUDA test suite (pytest in a child process, each outcome counted as it finishes). Writes
+``DIR/gpu_suite.json`` and ``DIR/gpu_suite.md`` (``bench.gpu_report``: device, torch / CUDA versions, commit, command,
+a headline table against the goals, every item's status) after every item, so a run cut off anywhere still reports
+what it measured.
+
+Order: the work is a list of items run in turn until ``--budget`` seconds are spent, the most important first:
+
+1. ``train llama-1.3b full``: MFU at T = 4096, the headline figure.
+2. ``train llama-1.3b <variant>`` for every trainable variant: step time / full attention's.
+3. ``focus hard forward``: Focus hard k = 1 (K = 4 and 8) beside full attention at 16K and 64K, forward.
+4. ``decode``: one token at a 16K context for full attention, Focus hard k = 1 and DGA.
+5. ``tests``: the CUDA test suite (``tests/attention/test_gpu_suite.py``, and the shared suite
+   ``tests/attention/test_suite.py``, which runs on the device when there is one), fast tier; counted per test as
+   it finishes, so a cut-off run still counts what ran.
+6. ``train llama-124m <variant>``: full attention and every trainable variant.
+7. ``attention T=...``: every variant at 4K, 16K and 64K (forward, forward+backward, peak memory), then
+   ``attention decode``: every variant's decode at 16K.
+8. ``focus hard long T=...``: Focus hard k = 1 (K = 8) beside full attention at 256K and 1M.
+
+Each item has a cap (seconds) and is not started with less than its minimum left; one that errs (out of memory,
+a missing kernel) is reported with its traceback's tail and the run goes on; one that passes its cap or the budget
+is cut off by a timer and reported as such. ``--only`` runs the items whose name contains one of the given words
+(a later run can fill in what a cut-off run left out).
+
+``--device cpu --quick`` runs the same items on tiny shapes (a 2-layer model at T = 128, attention at 128-1024,
+the test file that needs CUDA, which then skips), one CPU thread: the CI check that the suite still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import torch
+
+from bench import attention as attn
+from bench import gpu_report, train_step
+from bench.pytest_outcomes import OUTCOMES_ENV
+
+REPO = Path(__file__).resolve().parents[1]
+FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
+FOCUS_HARD_MAIN = FOCUS_HARD[1]
+DGA_CAUSAL = "dga causal (C=128, m=16, gamma=0.1)"
+
+
+@dataclass
+class Plan:
+    """The sizes of a run: a GPU's, or the quick stand-ins on CPU."""
+
+    seq_len: int  # training steps
+    train_steps: int
+    train_warmup: int
+    focus_lengths: list[int]
+    decode_context: int
+    matrix_lengths: list[int]
+    long_lengths: list[int]
+    repeat: int  # attention: median of this many runs / decode rounds
+    decode_steps: int  # decode tokens per round
+    max_seconds: float  # attention: skip a run predicted to take longer
+    tests: list[str] = field(default_factory=list)
+
+
+GPU_PLAN = Plan(
+    seq_len=train_step.SEQ_LEN,
+    train_steps=10,
+    train_warmup=3,
+    focus_lengths=[16384, 65536],
+    decode_context=16384,
+    matrix_lengths=[4096, 16384, 65536],
+    long_lengths=[262144, 1048576],
+    repeat=3,
+    decode_steps=16,
+    max_seconds=15.0,
+    tests=["tests/attention/test_gpu_suite.py", "tests/attention/test_suite.py"],
+)
+QUICK_PLAN = Plan(
+    seq_len=train_step.QUICK_SEQ_LEN,
+    train_steps=1,
+    train_warmup=0,
+    focus_lengths=[256, 512],
+    decode_context=256,
+    matrix_lengths=[128],
+    long_lengths=[1024],
+    repeat=1,
+    decode_steps=2,
+    max_seconds=20.0,
+    tests=["tests/attention/test_gpu_suite.py"],
+)
+
+
+@dataclass
+class Item:
+    name: str
+    run: Callable[[float], dict[str, Any]]  # given a deadline to stop by (time.perf_counter()), returns its figures
+    cap_s: float  # cut off past this many seconds
+    min_s: float = 15.0  # not started with less of the budget left
+
+
+class Cutoff(BaseException):
+    """The item's timer ran out. A BaseException, so that no ``except Exception`` inside the work swallows it."""
+
+
+def _alarm(signum: int, frame: FrameType | None) -> None:
+    raise Cutoff
+
+
+# ---- items -----------------------------------------------------------------------------------------------------------
+def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Callable[[float], dict[str, Any]]:
+    def run(deadline: float) -> dict[str, Any]:
+        cfg = train_step.arm_config(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
+        row = train_step.measure_arm(cfg, steps=plan.train_steps, warmup=plan.train_warmup, deadline=deadline)
+        return {"preset": preset, **row}
+
+    return run
+
+
+def cases(labels: tuple[str, ...] | None = None, backward: bool = True) -> list[attn.Case]:
+    """bench.attention's cases by label (full attention always first; None: every case)."""
+    chosen = [c for c in attn.CASES if c.kind == "full" or labels is None or c.label in labels]
+    return chosen if backward else [dataclasses.replace(c, backward=False) for c in chosen]
+
+
+def forward_item(
+    chosen: list[attn.Case], lengths: list[int], device: str, plan: Plan, quick: bool
+) -> Callable[[float], dict[str, Any]]:
+    def run(deadline: float) -> dict[str, Any]:
+        skipped: list[str] = []
+        rows = attn.bench_forward(
+            chosen,
+            lengths,
+            device,
+            attention_dtype(device),
+            plan.repeat,
+            1.0,
+            plan.max_seconds,
+            skipped,
+            cpu_memory=not quick,
+        )
+        return {"forward": rows, "attention_skips": skipped}
+
+    return run
+
+
+def decode_item(chosen: list[attn.Case], context: int, device: str, plan: Plan) -> Callable[[float], dict[str, Any]]:
+    def run(deadline: float) -> dict[str, Any]:
+        skipped: list[str] = []
+        rows = attn.bench_decode(
+            chosen, [context], device, attention_dtype(device), plan.decode_steps, plan.repeat, 1.0, skipped
+        )
+        return {"decode": rows, "attention_skips": skipped}
+
+    return run
+
+
+def attention_dtype(device: str) -> torch.dtype:
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+class PytestRun:
+    """pytest (fast tier) on ``paths`` in a child process, its output in ``DIR/tests.log``; each test's outcome is
+    written as it finishes (``bench.pytest_outcomes``, ``DIR/tests.jsonl``), so a run stopped at its deadline still
+    reports the counts so far. ``start`` may come early (the quick run overlaps it with the other items; a GPU run
+    starts it in turn, so that it does not disturb the timings)."""
+
+    def __init__(self, paths: list[str], out: Path):
+        self.paths, self.outcomes, self.log = paths, out / "tests.jsonl", out / "tests.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        if self.proc is not None:
+            return
+        self.outcomes.unlink(missing_ok=True)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+        env[OUTCOMES_ENV] = str(self.outcomes)
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "bench.pytest_outcomes"]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [*cmd, "-m", "not slow", *self.paths], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT
+            )
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __call__(self, deadline: float) -> dict[str, Any]:
+        self.start()
+        assert self.proc is not None
+        timeout = max(1.0, deadline - time.perf_counter())
+        try:
+            code: int | None = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.stop()
+            code = None
+        except BaseException:
+            self.stop()
+            raise
+        counts = outcome_counts(self.outcomes)
+        if code is not None and code not in (0, 1, 5):  # 1: tests failed, 5: none collected; others: pytest failed
+            raise RuntimeError(f"pytest exited {code}: {self._tail()}")
+        return {
+            **counts,
+            "finished": code is not None,
+            "exit_code": code,
+            "summary": self._tail(1) if code is not None else f"stopped at its deadline ({timeout:.0f} s)",
+            "paths": self.paths,
+        }
+
+    def _tail(self, lines: int = 5) -> str:
+        text = self.log.read_text(errors="replace") if self.log.is_file() else ""
+        return " / ".join(text.strip().splitlines()[-lines:])[-600:]
+
+
+def outcome_counts(path: Path) -> dict[str, Any]:
+    """Tests, passed, failed, errors, skipped and the failing test ids from ``bench.pytest_outcomes``' lines."""
+    counts: dict[str, Any] = {"tests": 0, "passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    failures: list[str] = []
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        row = json.loads(line)
+        counts["tests"] += 1
+        counts[{"error": "errors"}.get(row["outcome"], row["outcome"])] += 1
+        if row["outcome"] in ("failed", "error"):
+            failures.append(row["id"])
+    return {**counts, "failures": failures}
+
+
+def build_items(device: str, plan: Plan, quick: bool, out: Path) -> list[Item]:
+    """The run's items in order of importance (see the module docstring)."""
+    variants = train_step.trainable_variants()
+    items = [
+        Item(f"train llama-1.3b {kind}", train_item("llama-1.3b", kind, device, plan, quick), 150) for kind in variants
+    ]
+    items[0].cap_s = 180  # the first compile
+    items += [
+        Item(
+            "focus hard forward",
+            forward_item(cases(FOCUS_HARD, backward=False), plan.focus_lengths, device, plan, quick),
+            90,
+        ),
+        Item("decode", decode_item(cases((FOCUS_HARD_MAIN, DGA_CAUSAL)), plan.decode_context, device, plan), 90),
+        Item("tests", PytestRun(plan.tests, out), 300, min_s=30),
+    ]
+    small = ["full"] if quick else variants  # quick: its variants' arms are the 1.3b arms' code again
+    items += [
+        Item(f"train llama-124m {kind}", train_item("llama-124m", kind, device, plan, quick), 120) for kind in small
+    ]
+    items += [
+        Item(f"attention T={t}", forward_item(cases(), [t], device, plan, quick), 120) for t in plan.matrix_lengths
+    ]
+    items.append(Item("attention decode", decode_item(cases(), plan.decode_context, device, plan), 120))
+    items += [
+        Item(f"focus hard long T={t}", forward_item(cases((FOCUS_HARD_MAIN,)), [t], device, plan, quick), 120)
+        for t in plan.long_lengths
+    ]
+    return items
+
+
+# ---- the run ---------------------------------------------------------------------------------------------------------
+def run_items(
+    items: list[Item], report: dict[str, Any], out: Path, device: str, budget_s: float, overlap_tests: bool = False
+) -> None:
+    """Run the items in turn within ``budget_s`` seconds of the start, writing the report after each.
+    ``overlap_tests``: start the pytest child first, beside the other items (the quick CPU run: on a loaded machine
+    two processes get twice the share)."""
+    start = time.perf_counter()
+    deadline = start + budget_s
+    previous = signal.signal(signal.SIGALRM, _alarm)
+    children = [i.run for i in items if isinstance(i.run, PytestRun)]
+    try:
+        if overlap_tests:
+            for child in children:
+                child.start()
+        for item in items:
+            left = deadline - time.perf_counter()
+            entry: dict[str, Any] = {"name": item.name}
+            if left < item.min_s:
+                entry.update(status="skipped", note=f"{max(left, 0):.0f} s of the budget left (needs {item.min_s:.0f})")
+                report["items"].append(entry)
+                continue
+            limit = min(left, item.cap_s)
+            print(f"[bench.gpu] {item.name} (up to {limit:.0f} s)", flush=True)
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            try:
+                signal.setitimer(signal.ITIMER_REAL, limit)
+                # the item's own deadline comes before the timer's, so that one which can stop early (the training
+                # steps, pytest) stops with what it has measured instead of being cut off
+                entry.update(status="ok", result=item.run(t0 + limit - min(0.1 * limit, 10.0)))
+            except Cutoff:
+                why = "the budget" if limit < item.cap_s else f"its cap of {item.cap_s:.0f} s"
+                entry.update(status="cut off", note=f"stopped at {limit:.0f} s ({why})")
+            except Exception as err:  # report it and go on: one broken item must not lose the others
+                lines = traceback.format_exception(err)
+                entry.update(
+                    status="error",
+                    note=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__,
+                    error="".join(lines)[-3000:],
+                )
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+            entry["seconds"] = time.perf_counter() - t0
+            entry["cpu_seconds"] = time.process_time() - cpu0  # this process only (not a pytest child)
+            report["items"].append(entry)
+            train_step.release(torch.device(device))
+            report["meta"]["elapsed_s"] = time.perf_counter() - start
+            gpu_report.write(report, out)
+        report["meta"]["finished"] = True
+    finally:
+        for child in children:
+            child.stop()
+        signal.signal(signal.SIGALRM, previous)
+        report["meta"]["elapsed_s"] = time.perf_counter() - start
+        report["meta"]["loadavg_end"] = " / ".join(f"{x:.2f}" for x in os.getloadavg())
+        if "attention_meta" in report:
+            report["attention_meta"]["loadavg_end"] = report["meta"]["loadavg_end"]
+        gpu_report.write(report, out)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json and gpu_suite.md")
+    parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one CPU thread: the CI smoke run")
+    parser.add_argument(
+        "--only", default="", help="run only items whose name contains one of these comma-separated words"
+    )
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (--device cpu --quick runs the suite on tiny shapes)")
+    if args.device == "cpu" and args.quick:
+        torch.set_num_threads(1)  # a CI machine is shared: one thread measures less noise than contended ones
+    plan = QUICK_PLAN if args.quick else GPU_PLAN
+    args.out.mkdir(parents=True, exist_ok=True)
+    items = build_items(args.device, plan, args.quick, args.out)
+    words = [w.strip() for w in args.only.split(",") if w.strip()]
+    if words:
+        items = [i for i in items if any(w in i.name for w in words)]
+    command = gpu_report.command_line(argv)
+    env = gpu_report.environment(args.device, command)
+    report: dict[str, Any] = {
+        "meta": {**env, "device_kind": args.device, "quick": args.quick, "budget_s": args.budget, "plan": vars(plan)},
+        "attention_meta": {
+            "date": env["date"],
+            "device": env["device"],
+            "command": command,
+            "dtype": str(attention_dtype(args.device)).removeprefix("torch."),
+            "repeat": plan.repeat,
+            "steps": plan.decode_steps,
+            "loadavg_start": env["loadavg_start"],
+            "loadavg_end": "-",
+            "memory_method": "torch.cuda.max_memory_allocated growth during the call"
+            if args.device == "cuda"
+            else ("not measured (quick)" if args.quick else "peak RSS growth in a child process (bench.attention)"),
+        },
+        "items": [],
+    }
+    print(f"# bench.gpu on {env['device']}: {len(items)} items, budget {args.budget:.0f} s", flush=True)
+    run_items(items, report, args.out, args.device, args.budget, overlap_tests=args.quick)
+    print(f"wrote {args.out / 'gpu_suite.json'} and {args.out / 'gpu_suite.md'}", flush=True)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""Training-step throughput and MFU per attention variant: ``python -m bench.train_step [--presets P1,P2]
+[--variants all] [--seq-len 4096] [--device cuda] [--json F]``.
+
+What is measured is what trains: each arm is the preset's launch config (``launch/configs/<preset>.toml``, or the
+derived ``<preset>_<variant>.toml`` with the variant's launch settings) with the single-device engine, the sequence
+length set to ``--seq-len`` and the micro-batch holding as many tokens as the preset's micro-batch does at its own
+length; precision, compile and activation checkpointing stay as the preset configures them. The model comes from
+``model.transformer.build_model`` and the engine from ``pretrain.engines.build_engine``, and one step is the trainer's
+(``pretrain.loop.Trainer.train_step``): train progress, one micro-step (forward, loss, backward), gradient clipping,
+the finiteness check (a host sync, as in the loop) and the optimizer update. Random tokens; no data loader.
+
+Figures: the median step time over ``--steps`` steps after ``--warmup`` (compilation happens there), tokens/s at that
+median, peak memory (CUDA: ``max_memory_allocated`` during the timed steps, weights and optimizer state included; CPU:
+the process's peak resident set) and MFU = tokens/s x FLOPs per token / the device's dense bf16 peak
+(``pretrain.metrics.peak_flops``; ``--peak-tflops`` for a device the table lacks). FLOPs per token are
+``model.counts.flops_per_token`` (torchtitan's 6 N + 12 L H D T) of the *full-attention* model for every arm, so
+the MFU column compares speed: a variant's MFU / full's is full's step time / the variant's.
+
+``--quick``: the same code on a tiny model (2 layers of 64, micro-batch 2) at T = 128 for 2 steps after 1 warm-up,
+without compile: a smoke run for CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from core.device import resolve_device
+from model.attention import registry
+from model.config import AttentionConfig, ModelConfig
+from model.counts import flops_per_token
+from model.transformer import build_model
+from pretrain.engines import build_engine
+from pretrain.freezing import apply_trainable
+from pretrain.metrics import memory_gib, peak_flops, peak_flops_for_name
+from run.config import RunConfig, load_run_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
+PRESETS = ("llama-124m", "llama-1.3b")
+SEQ_LEN = 4096
+QUICK_SEQ_LEN = 128
+# --quick: a tiny shape of the same family (every other setting from the preset's config)
+QUICK_MODEL = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128", "model.vocab_size=256")
+
+
+def trainable_variants() -> list[str]:
+    """``full`` first, then every registered variant that trains (``Attention.trainable``)."""
+    return ["full"] + sorted(name for name, entry in registry.items() if entry.cls.trainable and name != "full")
+
+
+def config_path(preset: str, kind: str) -> Path:
+    """The preset's launch config, or its derived one for a variant (``run.config.derived_config``)."""
+    return CONFIG_DIR / (f"{preset}.toml" if kind == "full" else f"{preset}_{kind}.toml")
+
+
+def arm_config(preset: str, kind: str, *, seq_len: int, device: str, quick: bool, micro_batch: int = 0) -> RunConfig:
+    """The run config an arm trains with: the launch config on one device at ``seq_len``, the micro-batch
+    (0 = derived) holding the tokens the preset's micro-batch holds at its own length."""
+    path = config_path(preset, kind)
+    if quick and not micro_batch:
+        micro_batch = 2
+    if not micro_batch:
+        base = load_run_config(path, validate=False)
+        micro_batch = max(1, base.train.micro_batch_size * base.data.seq_len // seq_len)
+    overrides = [
+        "train.engine=single",
+        f"train.device={device}",
+        f"data.seq_len={seq_len}",
+        f"train.batch_size={micro_batch}",
+        f"train.micro_batch_size={micro_batch}",
+    ]
+    if quick:
+        overrides += [*QUICK_MODEL, "train.compile=false", "train.precision=auto"]
+    cfg = load_run_config(path, overrides, validate=False)
+    cfg.model.max_seq_len = max(cfg.model.max_seq_len, seq_len)
+    cfg.model.validate()
+    cfg.train.validate()
+    return cfg
+
+
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
+    """FLOPs per token of the full-attention model of this shape (whatever ``model_cfg``'s variant), so that MFU
+    compares the variants' speed."""
+    full = dataclasses.replace(model_cfg, attention=AttentionConfig(kind="full"))
+    return flops_per_token(full, seq_len)["flops_per_token"]
+
+
+def mfu(tokens_per_s: float, flops_per_token: float, peak: float | None) -> float | None:
+    """Model FLOPs utilisation of one device; None when its peak is unknown."""
+    return tokens_per_s * flops_per_token / peak if peak else None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure_arm(
+    cfg: RunConfig, *, steps: int, warmup: int, peak: float | None = None, deadline: float | None = None
+) -> dict[str, Any]:
+    """Time ``steps`` training steps after ``warmup`` of the arm ``cfg`` describes. Past ``deadline``
+    (``time.perf_counter()``) it stops after the current step, keeping at least one timed step."""
+    device = resolve_device(cfg.train.device)
+    torch.manual_seed(cfg.train.seed)
+    model = build_model(cfg.model, device=device)
+    engine = build_engine(model, cfg.train, device)
+    apply_trainable(model, cfg.train, 0)
+    seq_len, micro = cfg.data.seq_len, cfg.train.micro_batch_size
+    tokens = torch.randint(cfg.model.vocab_size, (micro, seq_len + 1), generator=torch.Generator().manual_seed(0))
+    n_targets = micro * seq_len
+    times: list[float] = []
+    loss = torch.zeros(())
+    for step in range(warmup + steps):
+        if step == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        t0 = time.perf_counter()
+        model.set_collect_stats(False)
+        model.set_train_progress(step, cfg.train.max_steps)
+        out = engine.micro_step(tokens[:, :-1], tokens[:, 1:], loss_scale=1.0 / n_targets, aux_scale=1.0, sync=True)
+        norm = engine.clip_gradients(cfg.train.grad_clip)
+        finite = bool(torch.isfinite(out.loss_sum)) and bool(torch.isfinite(norm))  # the loop's host sync
+        engine.apply_update(skip=not finite)
+        _sync(device)
+        if step >= warmup:
+            times.append(time.perf_counter() - t0)
+            if deadline is not None and time.perf_counter() > deadline:
+                break
+        loss = out.loss_sum
+    step_s = statistics.median(times)
+    fpt = train_flops_per_token(cfg.model, seq_len)
+    tps = n_targets / step_s
+    peak = peak if peak is not None else peak_flops(device)
+    row = {
+        "kind": cfg.model.attention.kind,
+        "seq_len": seq_len,
+        "micro_batch": micro,
+        "steps": len(times),
+        "warmup": warmup,
+        "precision": cfg.train.precision,
+        "compile": cfg.train.compile,
+        "activation_checkpointing": cfg.train.activation_checkpointing,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "step_s": step_s,
+        "step_s_all": times,
+        "tokens_per_s": tps,
+        "peak_memory_gib": memory_gib(device),
+        "flops_per_token": fpt,
+        "peak_flops": peak,
+        "mfu": mfu(tps, fpt, peak),
+        "loss": float(loss) / n_targets,
+        "finite": finite,
+    }
+    del model, engine, out, norm
+    release(device)
+    return row
+
+
+def release(device: torch.device) -> None:
+    """Drop the compiled graphs and cached memory of an arm: every arm compiles the same block code, so dynamo's
+    per-code cache would fill up (and fall back to eager) across arms."""
+    if "torch._dynamo" in sys.modules:  # nothing compiled otherwise (importing dynamo costs seconds on a CPU)
+        torch._dynamo.reset()
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def bench_arms(
+    presets: list[str],
+    variants: list[str],
+    *,
+    seq_len: int,
+    device: str,
+    quick: bool,
+    steps: int,
+    warmup: int,
+    micro_batch: int = 0,
+    peak: float | None = None,
+    deadline: float | None = None,
+    errors: list[str] | None = None,
+) -> list[dict[str, Any]]:
+    """One row per (preset, variant), with ``step_ratio`` = step time / full attention's of the same preset (when
+    measured). A failing arm (out of memory, a path this device lacks) is listed in ``errors`` and skipped."""
+    rows: list[dict[str, Any]] = []
+    for preset in presets:
+        for kind in variants:
+            try:
+                cfg = arm_config(preset, kind, seq_len=seq_len, device=device, quick=quick, micro_batch=micro_batch)
+                row = {"preset": preset, **measure_arm(cfg, steps=steps, warmup=warmup, peak=peak, deadline=deadline)}
+            except (RuntimeError, MemoryError, ValueError) as err:
+                if errors is None:
+                    raise
+                errors.append(f"{preset} {kind}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
+                release(torch.device(resolve_device(device)))
+                continue
+            full = next((r for r in rows if r["preset"] == preset and r["kind"] == "full"), None)
+            row["step_ratio"] = row["step_s"] / full["step_s"] if full else None
+            rows.append(row)
+            print(f"  train {preset} {kind}: {format_row(row)}", flush=True)
+    return rows
+
+
+def format_row(row: dict[str, Any]) -> str:
+    mfu_text = f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""
+    return (
+        f"step {row['step_s'] * 1e3:.1f} ms, {row['tokens_per_s']:,.0f} tok/s{mfu_text}, "
+        f"peak {row['peak_memory_gib']:.2f} GiB"
+    )
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| preset | variant | T | micro-batch | step ms | step / full | tokens/s | MFU | peak GiB | precision, "
+        "compile, checkpointing |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        ratio = "-" if r.get("step_ratio") is None else f"{r['step_ratio']:.2f}"
+        mfu_text = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
+        lines.append(
+            f"| {r['preset']} | {r['kind']} | {r['seq_len']} | {r['micro_batch']} | {r['step_s'] * 1e3:.1f} | "
+            f"{ratio} | {r['tokens_per_s']:,.0f} | {mfu_text} | {r['peak_memory_gib']:.2f} | {r['precision']}, "
+            f"{'compile' if r['compile'] else 'eager'}, {r['activation_checkpointing']} |"
+        )
+    return "\n".join(lines)
+
+
+def parse_list(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--presets", type=parse_list, default=list(PRESETS))
+    parser.add_argument("--variants", default="all", help="comma-separated registered variants, or all (trainable)")
+    parser.add_argument("--seq-len", type=int, default=0, help=f"default {SEQ_LEN} ({QUICK_SEQ_LEN} with --quick)")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps (default 10; 2 with --quick)")
+    parser.add_argument("--warmup", type=int, default=-1, help="untimed steps first (default 3; 1 with --quick)")
+    parser.add_argument("--micro-batch", type=int, default=0, help="0: the preset's tokens per micro-batch")
+    parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak for a device the table lacks")
+    parser.add_argument("--quick", action="store_true", help="a tiny model, few steps, no compile (CI)")
+    parser.add_argument("--json", type=Path, default=None, help="write the rows here as JSON")
+    args = parser.parse_args(argv)
+    variants = trainable_variants() if args.variants == "all" else parse_list(args.variants)
+    unknown = [v for v in variants if v not in registry]
+    if unknown:
+        parser.error(f"--variants: {', '.join(unknown)} not registered; registered: {', '.join(sorted(registry))}")
+    device = resolve_device(args.device, key="--device")
+    peak = args.peak_tflops * 1e12 if args.peak_tflops else None
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"# bench.train_step on {name} (bf16 peak {peak or peak_flops_for_name(name) or 'unknown'})", flush=True)
+    errors: list[str] = []
+    rows = bench_arms(
+        args.presets,
+        variants,
+        seq_len=args.seq_len or (QUICK_SEQ_LEN if args.quick else SEQ_LEN),
+        device=str(device),
+        quick=args.quick,
+        steps=args.steps or (2 if args.quick else 10),
+        warmup=args.warmup if args.warmup >= 0 else (1 if args.quick else 3),
+        micro_batch=args.micro_batch,
+        peak=peak,
+        errors=errors,
+    )
+    print("\n" + markdown(rows))
+    for err in errors:
+        print(f"- failed: {err}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"device": name, "rows": rows, "errors": errors}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
