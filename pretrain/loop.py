@@ -13,6 +13,7 @@ import contextlib
 import fcntl
 import os
 import random
+import re
 import shutil
 import socket
 import subprocess
@@ -35,6 +36,7 @@ from pretrain import checkpoint as ckpt
 from pretrain import resume_config
 from pretrain.callbacks import Callback, default_callbacks
 from pretrain.engines import Engine, build_engine, prepare_device, rank_zero_first
+from pretrain.engines.parallel import STARTUP_COLLECTIVE_TIMEOUT
 from pretrain.freezing import apply_trainable, check_patterns
 from pretrain.loggers import Loggers
 from pretrain.metrics import peak_flops
@@ -55,6 +57,7 @@ class TrainResult:
 
 
 NONFINITE_EXIT_CODE = 3  # a non-finite loss or gradient norm stopped the run (train.nonfinite)
+STALLED_EXIT_CODE = 75  # another rank stopped answering: like a preemption, the marker is left for a requeue
 LOCK_FILE = ".lock"
 
 
@@ -91,6 +94,7 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         self.saved_step = -1  # the step of the newest checkpoint this run has (restored or written)
+        self.stalled_ranks: str | None = None  # the ranks a failed collective waited for, named once found
         self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
         self.stop = cfg.train.stop_at or cfg.train.max_steps
@@ -327,6 +331,9 @@ class Trainer:
         if not self._weights_finite():
             self.error = f"train.nonfinite: non-finite weights at step {self.step}; no checkpoint written"
             return None
+        long = self.step > 0 and self.engine.world_size > 1  # a large save may outlast the step-time timeout
+        if long:
+            self.engine.set_collective_timeout(STARTUP_COLLECTIVE_TIMEOUT)
         path = ckpt.save_checkpoint(
             self.run_dir,
             self.step,
@@ -336,6 +343,8 @@ class Trainer:
             meta={"tokens": self.tokens},
             coord=self.engine,
         )
+        if long:
+            self.engine.set_collective_timeout(self.cfg.train.collective_timeout)
         self.saved_step = self.step
         self._say(f"checkpoint saved: {path}")
         self._call("post_checkpoint", path)
@@ -441,7 +450,6 @@ class Trainer:
 
     def run(self) -> TrainResult:
         """step -> callbacks, until train.stop_at / train.max_steps, a signal or a non-finite step."""
-        cfg = self.cfg.train
         if self.step >= self.stop:
             self._say(f"nothing to do: the run is at step {self.step} (stop at {self.stop})")
             self.release_run_dir()
@@ -453,20 +461,51 @@ class Trainer:
         with signals if own else contextlib.nullcontext():
             self._call("pre_train")
             while self.step < self.stop and not self.error:
-                if self.stop_requested():
-                    break
-                last = self.step + 1 == self.stop
-                log_step = self.step == first or (self.step + 1) % cfg.log_every == 0 or last
-                self._call("pre_step")
-                record = self.train_step(log_step)
-                self._call("post_step", record)
-            self._call("post_train")  # signals here wait for the final checkpoint
+                try:
+                    if self._one_step(first):
+                        break
+                except RuntimeError as exc:  # gloo / NCCL: a collective timed out or lost its peer
+                    if self._stalled(exc):
+                        break
+                    raise
+            if self.stalled_ranks is None:
+                self._call("post_train")  # signals here wait for the final checkpoint
             self.loggers.close()
         if own:
             self.signals = None
         self.release_run_dir()
+        if self.stalled_ranks is not None:
+            return TrainResult(self.step, self.tokens, self.last_val, STALLED_EXIT_CODE, self.error)
         code = NONFINITE_EXIT_CODE if self.error else signals.exit_code if self.preempted else 0
         return TrainResult(self.step, self.tokens, self.last_val, code, self.error)
+
+    def _one_step(self, first: int) -> bool:
+        """One step and its callbacks; True when a stop was requested instead."""
+        if self.stop_requested():
+            return True
+        last = self.step + 1 == self.stop
+        log_step = self.step == first or (self.step + 1) % self.cfg.train.log_every == 0 or last
+        self._call("pre_step")
+        self.engine.heartbeat(self.step)
+        record = self.train_step(log_step)
+        if self.step == first + 1:  # compiled and warmed up: from here on a stall is found in minutes
+            self.engine.set_collective_timeout(self.cfg.train.collective_timeout)
+        self._call("post_step", record)
+        return False
+
+    def _stalled(self, exc: RuntimeError) -> bool:
+        """Whether a failed collective was another rank that stopped answering (its heartbeat is behind): then
+        this rank says which in one line, leaves the requeue marker and ends (torchrun stops the others)."""
+        who = self.engine.stalled() if self.engine.world_size > 1 else None
+        if who is None:
+            return False
+        self.stalled_ranks = who
+        timeout = getattr(self.engine, "collective_timeout", None)
+        waited = f"no answer within train.collective_timeout={timeout:g} s" if timeout else "a collective failed"
+        said = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))[:80]  # gloo starts with its source line
+        self.error = f"train.collective_timeout: {who} stopped answering ({waited}{'; ' + said if said else ''})"
+        atomic_write_text(self.run_dir / PREEMPTED_MARKER, f"{self.saved_step}\n")  # requeue from the last checkpoint
+        return True
 
     def stop_requested(self) -> bool:
         """Whether any rank got a signal. Signals reach ranks at different moments and every rank must

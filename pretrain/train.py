@@ -94,6 +94,12 @@ def _train(cfg, signals: SignalHandler) -> int:
     trainer = Trainer(cfg, callbacks=default_callbacks(cfg), signals=signals)
     trainer.setup()
     result = trainer.run()
+    if result.error and trainer.stalled_ranks is not None:
+        # tearing the process group down would wait on the stopped rank: leave at once, torchrun stops the others
+        print(f"error: {result.error}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(result.exit_code)
     if result.error:
         print(f"error: {result.error}", file=sys.stderr)
         _leave_process_group()

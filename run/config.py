@@ -96,6 +96,9 @@ class TrainConfig:
     # step's update (at most nonfinite_skips in a row, then stop)
     nonfinite: str = "stop"
     nonfinite_skips: int = 3  # train.nonfinite = skip: consecutive skipped steps before stopping
+    # seconds a collective may wait for another rank once the first step is done (the first step and checkpoint
+    # saves get 30 minutes); a stalled rank then ends the job with one line naming it, and a requeue
+    collective_timeout: float = 300.0
     # each engine's own options (the table [train.<engine>]), filled from the engine specs
     engine_options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
     # keys that moved into an engine's table: still read, with a one-line note (core.configlib)
@@ -139,6 +142,7 @@ class TrainConfig:
             )
         check_choice("train.nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_min("train.nonfinite_skips", self.nonfinite_skips, 1)
+        check_min("train.collective_timeout", self.collective_timeout, 1.0)
         if self.nonfinite == "skip" and not ENGINE_SPECS[self.engine].skips_updates:
             raise ConfigError(
                 f"train.nonfinite: 'skip' is not supported with train.engine={self.engine} (it updates inside "

@@ -154,6 +154,17 @@ class Engine:
     def close(self) -> None:
         pass
 
+    # ---- stalled ranks -----------------------------------------------------------------
+    def set_collective_timeout(self, seconds: float) -> None:
+        """How long a collective waits for the other ranks (nothing to wait for in one process)."""
+
+    def heartbeat(self, step: int) -> None:
+        """Record that this rank reached ``step`` where the other ranks can read it."""
+
+    def stalled(self) -> str | None:
+        """After a collective failed: a phrase naming the rank(s) that stopped answering, if one can tell."""
+        return None
+
     # ---- checkpoint state -----------------------------------------------------------
     def write_state(self, directory: Path) -> None:
         raise NotImplementedError

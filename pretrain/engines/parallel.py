@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
     from run.config import TrainConfig
 
 DCP_DIR = "dcp"
+HEARTBEAT = "focused_pretrain/heartbeat"
+STARTUP_COLLECTIVE_TIMEOUT = 1800.0  # seconds: the first step (compiling) and checkpoint saves
 SCHEDULER_FILE = "scheduler.pt"
 
 
@@ -48,7 +51,9 @@ def init_process_group(cfg: TrainConfig) -> torch.device:
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, timeout=timedelta(minutes=30), device_id=device if device.type == "cuda" else None
+            backend,
+            timeout=timedelta(seconds=STARTUP_COLLECTIVE_TIMEOUT),
+            device_id=device if device.type == "cuda" else None,
         )
     return device
 
@@ -89,6 +94,44 @@ class DataParallelEngine(Engine):
         out: list = [None] * self.world_size
         dist.all_gather_object(out, obj)
         return out
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        # torchtitan does the same after its first step: the long start-up timeout only while compiling
+        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        self.collective_timeout = seconds
+
+    def heartbeat(self, step: int) -> None:
+        # one small write to the launcher's key-value store per step, readable while a rank is stopped
+        dist.distributed_c10d._get_default_store().set(f"{HEARTBEAT}/{self.rank}", f"{step} {time.time():.3f}")
+
+    def stalled(self) -> str | None:
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            beats = {}
+            for rank in range(self.world_size):
+                key = f"{HEARTBEAT}/{rank}"
+                if store.check([key]):
+                    step, when = store.get(key).decode().split()
+                    beats[rank] = (int(step), float(when))
+        except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
+            return None
+        if self.rank not in beats:
+            return None
+        now, (mine, _) = time.time(), beats[self.rank]
+        behind = sorted(r for r, (step, _) in beats.items() if step < mine) + sorted(
+            set(range(self.world_size)) - set(beats)
+        )
+        if not behind:  # the same step: the ones silent for longest
+            oldest = min(when for _, when in beats.values())
+            behind = [r for r, (_, when) in beats.items() if r != self.rank and when - oldest < 1.0]
+        if not behind:
+            return None
+        parts = []
+        for rank in behind:
+            step, when = beats.get(rank, (None, None))
+            seen = f"last at step {step}, {now - when:.0f} s ago" if when is not None else "no step recorded"
+            parts.append(f"rank {rank} ({seen})")
+        return ", ".join(parts)
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -1,0 +1,96 @@
+"""A rank stopped (SIGSTOP) rather than killed under torchrun (issue 30 item 6): the other rank's collective
+gives up after train.collective_timeout, names the stalled rank in one line, leaves the requeue marker, and
+the job ends within the timeout plus a minute instead of the 30-minute process-group default."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from pretrain.signals import PREEMPTED_MARKER
+from tests.conftest import REPO
+from tests.e2e.helpers import _env
+from tests.e2e.test_train_cli import TINY
+
+TIMEOUT = 20
+
+
+def _rank_pid(torchrun_pid: int, rank: int) -> int | None:
+    """The worker process of ``rank`` under this torchrun (a descendant whose environment says RANK=<rank>)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in env and _descends_from(int(entry.name), torchrun_pid):
+            return int(entry.name)
+    return None
+
+
+def _descends_from(pid: int, ancestor: int) -> bool:
+    for _ in range(8):
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid == ancestor:
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_job_within_the_timeout_and_names_it(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    args = {
+        "run.dir": str(run_dir),
+        "train.engine": "fsdp2",
+        "train.device": "cpu",
+        "train.max_steps": 1000,
+        "train.collective_timeout": TIMEOUT,
+        "model.n_layers": 1,
+        "checkpoint.every": 1000,  # saves run under the long timeout: keep them out of the way
+        "eval.every": 0,
+        "eval.sample_tokens": 0,
+        "log.tensorboard": False,
+        "log.wandb": "disabled",
+        "data.cache_dir": str(cache_dir),
+    }
+    sets = [x for k, v in args.items() for x in ("--set", f"{k}={json.dumps(v)}")]
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "2", "--config", str(TINY), *sets]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    stopped = None
+    try:
+        deadline = time.monotonic() + 300
+        metrics = run_dir / "metrics.jsonl"
+        while time.monotonic() < deadline and proc.poll() is None:  # wait for step 3: compiled, timeout lowered
+            if metrics.is_file() and sum(1 for line in metrics.read_text().splitlines() if '"loss"' in line) >= 3:
+                stopped = _rank_pid(proc.pid, 1)
+                if stopped is not None:
+                    break
+            time.sleep(0.5)
+        assert stopped is not None, "rank 1 never reached step 3"
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        out, err = proc.communicate(timeout=TIMEOUT + 120)
+        elapsed = time.monotonic() - t0
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+                os.kill(stopped, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
+            proc.kill()
+    assert elapsed < TIMEOUT + 60, (elapsed, err[-2000:])
+    lines = [line for line in err.splitlines() if line.startswith("error: train.collective_timeout: rank 1")]
+    assert len(lines) == 1, err[-3000:]
+    assert (run_dir / PREEMPTED_MARKER).is_file()  # the sbatch script requeues on it
