@@ -76,6 +76,21 @@ def test_residual_columns_weigh_n_over_s(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_recursive_halving_is_exact_up_to_min_seq_len(impl):
+    """Causal HyperAttention by recursive halving: a block of at most ``min_seq_len`` (8) queries is exact causal
+    attention (every weight 1), halved no further; the 8 later queries estimate keys 0-7 from single-key LSH blocks
+    (``block_size = 1``) plus one residual column of weight n / s = 8."""
+    _, k, _ = qkv(1, 1, 1, T, T, seed=8)
+    w = weights(hyper(top_k=64, sample_size=1, block_size=1), k, impl)
+    diagonal = causal(T) & ((torch.arange(T)[:, None] // 8) == (torch.arange(T)[None, :] // 8))
+    torch.testing.assert_close(w[diagonal], torch.ones(int(diagonal.sum()), dtype=torch.float64), **F64)
+    block = w[8:, :8]
+    values = {round(x, 9) for x in block.flatten().tolist()}
+    assert values <= {0.0, 1.0, 8.0} and 8.0 in values, f"non-causal block weights: {sorted(values)}"
+    assert bool(((block - 1).abs() < 1e-9).sum(-1).eq(1).all()), "each query's LSH block holds one key"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 def test_estimate_is_unbiased_over_residual_samples(impl):
     """The residual columns make the estimate unbiased: over the seeds (which redraw the LSH and the samples)
     each non-causal weight has mean P(in block) + P(out) (s / n)(n / s) = 1. 120 seeds; weights are in
