@@ -1,0 +1,328 @@
+"""One-line mutations of the papers' defining formulas that the fast tier must catch (issue 31, item 2).
+
+Each entry names the file, the exact source fragment (it must occur exactly once in that file: a fragment that
+moved or changed makes the check fail loudly instead of testing nothing), its replacement, the formula it breaks,
+and the test files to run, the variant's paper pins first (``-x`` stops at the first failure). ``test_mutations``
+applies one at a time to a temporary copy of ``core/``, ``model/`` and ``tests/`` and requires pytest's exit
+code 1 (tests failed; 2+ would be a collection or usage error, which proves nothing).
+
+The first five are the issue's table; ``caught_by`` records the first test seen to fail for each (run
+``pytest -m slow tests/mutations -rA`` to see it again: the check prints it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FULL = ("tests/attention/full/test_paper.py", "tests/attention/test_focal.py")
+FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
+LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
+FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
+DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
+HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
+ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    edits: tuple[tuple[str, str], ...]  # (exact original fragment, replacement), each fragment once in the file
+    breaks: str  # the variant and formula it breaks
+    tests: tuple[str, ...]  # test files to run, pins first
+    caught_by: str = ""  # the first test seen to fail (recorded for the issue's five; lazy-bias-added fails there
+    # on the zero table's gradient, which flips sign, and on values in the next pin)
+
+
+MUTATIONS: tuple[Mutation, ...] = (
+    # ---- the issue's five ---------------------------------------------------------------------------------------
+    Mutation(
+        "focal-multiplies-by-tau",
+        "model/attention/focal.py",
+        (("(1.0 / self.tau(hidden, q_pos, cache))", "(self.tau(hidden, q_pos, cache))"),),
+        "focal learned: logits multiplied by tau instead of divided (eq. 6)",
+        FOCAL,
+        "tests/attention/focal/test_paper.py::test_learned_temperature_is_the_whole_divisor_eq6[reference-query]",
+    ),
+    Mutation(
+        "focal-prefix-sum",
+        "model/attention/focal.py",
+        (("z = csum / (q_pos + 1).to(z.dtype)", "z = csum"),),
+        "focal prefix_mean scope: the prefix sum instead of the mean",
+        FOCAL,
+        "tests/attention/focal/test_paper.py::test_learned_temperature_is_the_whole_divisor_eq6[reference-prefix_mean]",
+    ),
+    Mutation(
+        "dga-importance-sum",
+        "model/attention/dga/__init__.py",
+        (("(a.sum(-2) / mask.sum(-2).clamp(min=1))", "(a.sum(-2))"),),
+        "dga importance (eq. 16): the sum over sampled queries instead of the mean",
+        DGA,
+        "tests/attention/dga/test_paper.py::test_dga_is_focal_plus_aggregated_groups_eq14_to_17[reference-sequence-m2]",
+    ),
+    Mutation(
+        "hyper-residual-weight-one",
+        "model/attention/prescored_hyper/__init__.py",
+        (("torch.log(nv_h.clamp(min=1) / s_eff)", "torch.zeros_like(s_eff)"),),
+        "prescored_hyper: residual columns weighted 1 instead of n/s",
+        HYPER,
+        "tests/attention/prescored_hyper/test_paper.py::test_residual_columns_weigh_n_over_s[reference]",
+    ),
+    Mutation(
+        "lazy-bias-added",
+        "model/attention/lazy/__init__.py",
+        (
+            ("- self.bias(q_pos, k_pos)", "+ self.bias(q_pos, k_pos)"),
+            ("return score - bias[h,", "return score + bias[h,"),
+        ),
+        "lazy: distance bias added instead of subtracted (eq. 3), reference and FlexAttention paths",
+        LAZY,
+        "tests/attention/lazy/test_paper.py::test_default_config_is_elastic_softmax_with_tau_over_n_eq5[reference]",
+    ),
+    # ---- full and focal -----------------------------------------------------------------------------------------
+    Mutation(
+        "full-scale-over-d",
+        "model/attention/full.py",
+        (("return 1.0 / math.sqrt(self.spec.head_dim)", "return 1.0 / self.spec.head_dim"),),
+        "full: logits scaled by 1/d instead of 1/sqrt(d)",
+        FULL,
+    ),
+    Mutation(
+        "focal-t-multiplies",
+        "model/attention/focal.py",
+        (("return 1.0 / (self.cfg.t * math.sqrt(", "return self.cfg.t / (math.sqrt("),),
+        "focal constant: t multiplies the logits instead of dividing them (eq. 5)",
+        FOCAL,
+    ),
+    Mutation(
+        "focal-no-clip",
+        "model/attention/focal.py",
+        (("torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)", "self.tau_offset + z"),),
+        "focal learned: tau not clipped to [tau_min, tau_max] (eq. 6)",
+        FOCAL,
+    ),
+    # ---- lazy ---------------------------------------------------------------------------------------------------
+    Mutation(
+        "lazy-threshold-n-offset",
+        "model/attention/lazy/__init__.py",
+        (("n = (q_pos + 1).to(p.dtype)", "n = (q_pos + 2).to(p.dtype)"),),
+        "lazy reference: Elastic-Softmax threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
+        LAZY,
+    ),
+    Mutation(
+        "lazy-flex-threshold-n-offset",
+        "model/attention/lazy/__init__.py",
+        (("/ (q_pos[qi] + 1).to(score.dtype)", "/ (q_pos[qi] + 2).to(score.dtype)"),),
+        "lazy FlexAttention path: threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
+        LAZY,
+    ),
+    Mutation(
+        "lazy-alibi-slope",
+        "model/attention/lazy/__init__.py",
+        (("2.0 ** (-8.0 * (h + 1) / n_heads)", "2.0 ** (-8.0 * h / n_heads)"),),
+        "lazy alibi init: ALiBi slopes start at 2^0 instead of 2^(-8/H)",
+        LAZY,
+    ),
+    Mutation(
+        "lazy-table-clamp",
+        "model/attention/lazy/__init__.py",
+        ((".clamp(0, self.table - 1)", ".clamp(0, self.table - 2)"),),
+        "lazy reference: distances past the table read its second-to-last entry",
+        LAZY,
+    ),
+    # ---- focus --------------------------------------------------------------------------------------------------
+    Mutation(
+        "focus-tau-multiplies",
+        "model/attention/focus/__init__.py",
+        (("@ self.centroids.to(dtype).T) / self.cfg.tau", "@ self.centroids.to(dtype).T) * self.cfg.tau"),),
+        "focus: group scores multiplied by tau instead of divided (eq. 2)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-prefix-normaliser-whole-sequence",
+        "model/attention/focus/sinkhorn.py",
+        (("cum = logcumsumexp(log, dim=1)", "cum = torch.logsumexp(log, dim=1, keepdim=True)"),),
+        "focus prefix Sinkhorn: group normaliser over the whole sequence instead of tokens <= i (leak)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-sequence-sinkhorn-order",
+        "model/attention/focus/sinkhorn.py",
+        (
+            (
+                "log = log - torch.logsumexp(log, dim=1, keepdim=True)",
+                "log = log - torch.logsumexp(log, dim=-1, keepdim=True)",
+            ),
+        ),
+        "focus sequence Sinkhorn (Algorithm 1): the token normalisation replaced by a second group one",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-gate-offset",
+        "model/attention/focus/__init__.py",
+        (("F.logsigmoid(lam * (affinity - 0.5))", "F.logsigmoid(lam * affinity)"),),
+        "focus additive gate: log sigmoid(lam g.g) without the 0.5 offset (E.4.8)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-multiplicative-gate-offset",
+        "model/attention/focus/__init__.py",
+        (("torch.sigmoid(lam * affinity), distant", "torch.sigmoid(lam * (affinity - 0.5)), distant"),),
+        "focus multiplicative gate: sigmoid(lam (g.g - 0.5)) instead of eq. 4's sigmoid(lam g.g)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-soft-window-boundary",
+        "model/attention/focus/__init__.py",
+        (
+            (
+                "distant = (q_pos[:, None] - k_pos[None, :]) >= self.cfg.window",
+                "distant = (q_pos[:, None] - k_pos[None, :]) > self.cfg.window",
+            ),
+        ),
+        "focus soft: pairs at i - j = w left ungated (window boundary)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-hard-window-boundary",
+        "model/attention/focus/hard/group_sparse.py",
+        (
+            (
+                "local = (q_pos[:, None] - k_pos[None, :]) < window",
+                "local = (q_pos[:, None] - k_pos[None, :]) <= window",
+            ),
+        ),
+        "focus hard reference: window i - j <= w instead of < w",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-hard-cpu-band-boundary",
+        "model/attention/focus/hard/cpu.py",
+        (("local = (s[None, :] > r[:, None])", "local = (s[None, :] >= r[:, None])"),),
+        "focus hard CPU kernel: cross-group band i - j <= w instead of < w",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-top-k-smallest",
+        "model/attention/focus/hard/group_sparse.py",
+        (
+            (
+                "descending=True, stable=True).indices[..., :top_k]",
+                "descending=False, stable=True).indices[..., :top_k]",
+            ),
+        ),
+        "focus hard: a token's k *least* likely groups as its memberships (top-k, k >= 2)",
+        FOCUS,
+    ),
+    # ---- dga ----------------------------------------------------------------------------------------------------
+    Mutation(
+        "dga-first-member-query",
+        "model/attention/dga/__init__.py",
+        (
+            (
+                "q_last = ref.take_rows(q, members[..., -1] - q_base)",
+                "q_last = ref.take_rows(q, members[..., 0] - q_base)",
+            ),
+        ),
+        "dga aggregation (eq. 14) with the group's first query instead of its last",
+        DGA,
+    ),
+    Mutation(
+        "dga-least-important-focal",
+        "model/attention/dga/__init__.py",
+        (("importance.topk(r, dim=-1).indices", "importance.topk(r, dim=-1, largest=False).indices"),),
+        "dga: the least important keys kept focal",
+        DGA,
+    ),
+    Mutation(
+        "dga-compressed-visible-early",
+        "model/attention/dga/__init__.py",
+        (("avail = ((starts + 2 * c).to(k.device))", "avail = ((starts + c).to(k.device))"),),
+        "dga causal gathered path: chunk c's compression used from chunk c + 1 (while still raw) instead of c + 2",
+        DGA,
+    ),
+    Mutation(
+        "dga-focal-count-floor",
+        "model/attention/dga/config.py",
+        (("math.ceil(round(gamma * n, 9))", "math.floor(round(gamma * n, 9))"),),
+        "dga focal count: floor(gamma n) instead of ceil (section 5.1)",
+        DGA,
+    ),
+    # ---- prescored_hyper ----------------------------------------------------------------------------------------
+    Mutation(
+        "hyper-leverage-is-norm",
+        "model/attention/prescored_hyper/__init__.py",
+        (("return (kg * k).sum(-1)", "return (k * k).sum(-1)"),),
+        "prescored_hyper leverage scoring: squared norms instead of the hat matrix's diagonal",
+        HYPER,
+    ),
+    Mutation(
+        "hyper-keeps-lowest-scores",
+        "model/attention/prescored_hyper/__init__.py",
+        (("self.key_scores(k).topk(keep, dim=-1)", "self.key_scores(k).topk(keep, dim=-1, largest=False)"),),
+        "prescored_hyper: the lowest-scored keys kept (Algorithm 1)",
+        HYPER,
+    ),
+    Mutation(
+        "hyper-no-fallback",
+        "model/attention/prescored_hyper/__init__.py",
+        (("or keep < self.cfg.min_keys:", "or keep < 0:"),),
+        "prescored_hyper: no fallback to plain HyperAttention when fewer than min_keys survive",
+        HYPER,
+    ),
+    Mutation(
+        "hyper-exact-block-boundary",
+        "model/attention/prescored_hyper/__init__.py",
+        (("if qe - qs <= self.cfg.min_seq_len:", "if qe - qs < self.cfg.min_seq_len:"),),
+        "prescored_hyper: recursive halving goes one level further (exact block < instead of <= min_seq_len)",
+        HYPER,
+    ),
+    # ---- RoPE scaling -------------------------------------------------------------------------------------------
+    Mutation(
+        "rope-ntk-exponent",
+        "model/rope.py",
+        (("theta * factor ** (d / (d - 2))", "theta * factor ** (d / (d - 1))"),),
+        "RoPE NTK-aware: base x s^(d/(d-1)) instead of s^(d/(d-2))",
+        ROPE,
+    ),
+    Mutation(
+        "rope-dynamic-ntk-factor",
+        "model/rope.py",
+        (("(factor * length / l0 - (factor - 1))", "(factor * length / l0)"),),
+        "RoPE dynamic NTK: s L / L0 instead of s L / L0 - (s - 1)",
+        ROPE,
+    ),
+    Mutation(
+        "rope-yarn-ramp-reversed",
+        "model/rope.py",
+        (("keep = 1 - ramp", "keep = ramp"),),
+        "RoPE YaRN: high-frequency dimensions interpolated and low ones kept",
+        ROPE,
+    ),
+    Mutation(
+        "rope-yarn-attention-factor",
+        "model/rope.py",
+        (("0.1 * math.log(factor) + 1.0", "0.2 * math.log(factor) + 1.0"),),
+        "RoPE YaRN: attention factor 0.2 ln s + 1 instead of 0.1 ln s + 1",
+        ROPE,
+    ),
+    Mutation(
+        "rope-llama3-band",
+        "model/rope.py",
+        (
+            (
+                "torch.where(wavelen > low_wavelen, inv / factor, inv)",
+                "torch.where(wavelen < low_wavelen, inv / factor, inv)",
+            ),
+        ),
+        "RoPE Llama 3: the short wavelengths divided by s instead of the long ones",
+        ROPE,
+    ),
+    Mutation(
+        "rope-linear-multiplies",
+        "model/rope.py",
+        (("return inv / factor, 1.0", "return inv * factor, 1.0"),),
+        "RoPE linear (position interpolation): frequencies x s instead of / s",
+        ROPE,
+    ),
+)
