@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -37,13 +35,39 @@ def test_constant_scale_is_one_over_t_sqrt_d():
     assert module.logit_scale(torch.zeros(1, 3, 64), torch.arange(3), None) == pytest.approx(1 / (0.4 * 4.0))
 
 
-@pytest.mark.parametrize("head_dim,expected", [(16, 5.0), (64, 8.0), (128, 10.0)])
-def test_learned_tau_starts_at_clipped_sqrt_head_dim(head_dim, expected):
+@pytest.mark.parametrize("head_dim", [16, 25, 64, 100, 128])
+def test_learned_tau_starts_at_clipped_sqrt_head_dim(head_dim):
+    """Section 2.2 with w_tau = 0: training starts from the standard divisor sqrt(d_h), clipped to the paper's
+    [tau_min, tau_max] = [5, 10] (section 5.2): d_h = 16 -> 5 (clipped up), 25 -> 5, 64 -> 8, 100 -> 10, 128 -> 10
+    (clipped down from 11.31). The divisor is worked out here from d_h, not read from the module."""
     spec = LayerSpec(4 * head_dim, 4, 4, head_dim, 32, 0, 1)
     module = build_attention("focal", FocalConfig(mode="learned"), spec)
     hidden = torch.randn(2, 7, 4 * head_dim)
-    assert torch.allclose(module.tau(hidden, torch.arange(7), None), torch.full((2, 7), expected))
-    assert expected == min(max(math.sqrt(head_dim), 5.0), 10.0)
+    root = head_dim**0.5
+    expected = 5.0 if root < 5.0 else 10.0 if root > 10.0 else root
+    assert torch.equal(module.tau(hidden, torch.arange(7), None), torch.full((2, 7), expected))
+
+
+@pytest.mark.parametrize("scope", ["query", "prefix_mean", "sequence_mean"])
+def test_learned_tau_is_eq6_with_the_offset(scope):
+    """Eq. 6, tau = clip(reduce(X w_tau), tau_min, tau_max) plus the clip(sqrt(d_h)) offset, worked out token by
+    token in float64: x_i . w_tau per query (``query``), its mean over tokens <= i (``prefix_mean``) or over the
+    whole sequence (``sequence_mean``, the paper's mean). w_tau is drawn so that some tokens clip and some do not."""
+    spec = LayerSpec(64, 4, 4, 16, 32, 0, 1)  # d_h = 16: the offset clips up to tau_min = 5
+    module = build_attention("focal", FocalConfig(mode="learned", scope=scope), spec).double()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        module.w_tau.copy_(torch.randn(64, generator=g, dtype=torch.float64))
+    hidden = torch.randn(2, 9, 64, generator=g, dtype=torch.float64)
+    got = module.tau(hidden, torch.arange(9), None)
+    w = module.w_tau.detach().tolist()
+    for b in range(2):
+        z = [sum(x * wi for x, wi in zip(hidden[b, i].tolist(), w)) for i in range(9)]
+        for i in range(9):
+            seen = z[i : i + 1] if scope == "query" else z[: i + 1] if scope == "prefix_mean" else z
+            want = min(max(5.0 + sum(seen) / len(seen), 5.0), 10.0)
+            assert got[b, i].item() == pytest.approx(want, abs=1e-12), (b, i)
+    assert ((got == 5.0) | (got == 10.0)).any() and ((got > 5.0) & (got < 10.0)).any(), "clipped and unclipped"
 
 
 def test_learned_tau_is_clipped_and_trains():

@@ -17,7 +17,7 @@ import torch
 from model.attention import build_attention
 from tests.attention.test_suite import CASES, SPEC, random_inputs, tiny_model, variant_config
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda  # skipped without a CUDA device (tests/conftest.py)
 CUDA = "cuda"
 F32_TOL = dict(atol=1e-4, rtol=1e-3)
 BF16_SLACK = 1e-2  # relative-norm error allowed beyond twice the reference path's own bf16 error

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -354,6 +355,7 @@ def test_a_second_live_prepare_on_the_same_out_is_refused(tmp_path, corpus, sp_p
 @pytest.mark.parametrize("where", ["file", "readonly"])
 def test_an_unwritable_out_is_refused_before_the_tokenizer_is_trained(tmp_path, corpus, monkeypatch, where):
     import data.prepare
+    import data.prepare_output
 
     def no_training(*args, **kwargs):
         raise AssertionError("the tokenizer was trained before --out was checked")
@@ -365,7 +367,15 @@ def test_an_unwritable_out_is_refused_before_the_tokenizer_is_trained(tmp_path, 
     else:
         out, needle = Path("/sys/focused-pretrain-shards"), "cannot write in '/sys'"
         if os.access("/sys", os.W_OK) and not Path("/sys/kernel").is_dir():
-            pytest.skip("no read-only /sys here")
+            # No sysfs here (a sandbox's plain /sys): the refusal a read-only mount gives is simulated instead.
+            mkdtemp = data.prepare_output.tempfile.mkdtemp
+
+            def read_only_sys(*args, **kwargs):
+                if str(kwargs.get("dir", "")).startswith("/sys"):
+                    raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+                return mkdtemp(*args, **kwargs)
+
+            monkeypatch.setattr(data.prepare_output.tempfile, "mkdtemp", read_only_sys)
     with pytest.raises(ConfigError) as err:
         run_prepare(corpus, out)
     assert str(err.value).startswith("--out: ") and needle in str(err.value) and "\n" not in str(err.value)

@@ -439,7 +439,7 @@ def test_training_lines_follow_log_every(tmp_path, cache_dir):
 
 def test_prescored_hyper_swaps_in_at_evaluation(reference_run, tmp_path):
     """A full-attention checkpoint evaluated with pre-scored HyperAttention (no parameters of its
-    own): exact settings reproduce full attention's loss, approximate ones move it a little."""
+    own): exact settings reproduce full attention's loss, approximate ones move it by at most 0.01 nat."""
 
     def ppl(*sets: str) -> float:
         out = tmp_path / f"ev{len(list(tmp_path.iterdir()))}.json"
@@ -467,4 +467,7 @@ def test_prescored_hyper_swaps_in_at_evaluation(reference_run, tmp_path):
         "model.attention.prescored_hyper.min_keys=8",
     )
     assert abs(exact - full) < 1e-4, (exact, full)
-    assert approx != exact and abs(approx - full) < 1.0, (approx, full)
+    # Measured on this 40-step run: approx - full = -0.0015 nat (seed 0), |gap| <= 0.0015 over seeds 0-5; 0.01 leaves
+    # room for another machine's float rounding along the trajectory. (A residual weighted 1 instead of n/s moves it
+    # by only ~0.001 here: catching that is a paper pin's job, not this end-to-end check's.)
+    assert approx != exact and abs(approx - full) < 0.01, (approx, full)

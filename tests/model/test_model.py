@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 
@@ -103,8 +104,10 @@ def test_gqa_and_qk_norm_forward_and_loss(qk_norm):
     out = model(idx[:, :-1], targets=idx[:, 1:])
     assert out.logits.shape == (3, 15, 64)
     assert out.n_tokens == 45
-    # At init the loss is close to ln(vocab): a uniform prediction.
-    assert abs(out.loss_sum.item() / 45 - torch.log(torch.tensor(64.0)).item()) < 0.5
+    # At init the loss is close to ln(vocab): a near-uniform prediction. Init std 0.02 gives logits of std ~0.11,
+    # so the loss exceeds ln V by ~0.11^2 / 2 = 0.006 on average, +-0.017 of noise over 45 tokens. Measured: +0.023
+    # here, |excess| <= 0.046 over seeds 0-19 (both qk_norm settings); a wrong init scale or head misses 0.05.
+    assert abs(out.loss_sum.item() / 45 - math.log(64)) < 0.05
     out.loss_sum.backward()
     assert all(p.grad is not None for p in model.parameters())
 
