@@ -35,6 +35,7 @@ from core.errors import check_choice, check_min
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
 from model.attention.flex import flex_supports
+from model.attention.lazy.blockwise import MIN_ROWS, elastic_blockwise, kernel_dtypes
 
 BIAS_INITS = ("zeros", "alibi")
 
@@ -104,11 +105,30 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return flex_supports(q)
+        return flex_supports(q) or self.blockwise_supports(q)
+
+    @staticmethod
+    def blockwise_supports(q: Tensor) -> bool:
+        """CPU, from MIN_ROWS queries (decode and short chunks take the reference: O(Tq * Tk) is small there)."""
+        return q.device.type == "cpu" and q.dtype in kernel_dtypes() and q.shape[2] >= MIN_ROWS
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        """Two FlexAttention passes (module docstring). Queries are at positions ``Tk - Tq .. Tk - 1``
-        and keys at ``0 .. Tk - 1``, which is what the base class passes (training, prefill, decode)."""
+        """Queries are at positions ``Tk - Tq .. Tk - 1`` and keys at ``0 .. Tk - 1``, which is what the base
+        class passes (training, prefill, decode): blockwise on CPU, else two FlexAttention passes."""
+        if self.blockwise_supports(q):
+            return self.blockwise(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+        return self.flex(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def blockwise(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        """Exact two-pass Elastic-Softmax over block diagonals, memory linear in T (``blockwise``)."""
+        stats: dict[str, Tensor] | None = {} if self.collect_stats else None
+        out = elastic_blockwise(q, k, v, self.distance_bias, self.tau, 1.0 / math.sqrt(self.spec.head_dim), stats=stats)
+        if stats is not None:
+            stats = {name: value.detach() for name, value in stats.items()} | {"tau": self.tau.mean().detach()}
+        return AttnOut(out, stats=stats or {})
+
+    def flex(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+        """Two FlexAttention passes (module docstring)."""
         two_pass = compiled_two_pass() if q.is_cuda else elastic_two_pass
         out = two_pass(
             q,
