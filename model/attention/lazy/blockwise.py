@@ -96,9 +96,11 @@ def to_blocks(x: Tensor, layout: Layout, n: int) -> Tensor:
 
 def from_blocks(x: Tensor, layout: Layout, t: int) -> Tensor:
     n, bh, blk, d = x.shape
-    return x.reshape(n, layout.batch, layout.heads, blk, d).permute(1, 2, 0, 3, 4).reshape(
-        layout.batch, layout.heads, n * blk, d
-    )[:, :, :t]
+    return (
+        x.reshape(n, layout.batch, layout.heads, blk, d)
+        .permute(1, 2, 0, 3, 4)
+        .reshape(layout.batch, layout.heads, n * blk, d)[:, :, :t]
+    )
 
 
 def rows_to_blocks(x: Tensor, layout: Layout) -> Tensor:
@@ -118,20 +120,24 @@ class _Scores:
             self.bias = {e: self.layout.neg_bias(self.table, e, self.qb.dtype)}  # one diagonal at a time
         return self.bias[e]
 
-    def scores(self, diag: Diagonal, i0: int, i1: int) -> Tensor:
-        """[n * B * H, block, block] biased scores s of query blocks i0..i1-1 on diagonal e."""
+    def scores(self, diag: Diagonal, i0: int, i1: int, shift: bool = False) -> Tensor:
+        """[n * B * H, block, block] biased scores s of query blocks i0..i1-1 on diagonal e (``s - lse`` with
+        ``shift``: the row's logsumexp goes in with the bias, before the matmul accumulates onto it)."""
         lay, n = self.layout, i1 - i0
         j0 = i0 - diag.e
         s = torch.empty(n * lay.rows, lay.block, lay.block, dtype=self.qb.dtype, device=self.qb.device)
-        s.view(n * lay.batch, lay.heads, lay.block, lay.block).copy_(self.neg_bias(diag.e))
+        s4 = s.view(n * lay.batch, lay.heads, lay.block, lay.block)
+        if shift:
+            torch.sub(self.neg_bias(diag.e), self.lse[i0:i1].view(n * lay.batch, lay.heads, lay.block, 1), out=s4)
+        else:
+            s4.copy_(self.neg_bias(diag.e))
         q = self.qb[i0:i1].view(n * lay.rows, lay.block, -1)
         k = self.kb[j0 : j0 + n].view(n * lay.rows, lay.block, -1)
         return s.baddbmm_(q, k.transpose(1, 2))
 
     def probs(self, diag: Diagonal, i0: int, i1: int) -> Tensor:
-        lay, n = self.layout, i1 - i0
-        p = self.scores(diag, i0, i1)
-        p.sub_(self.lse[i0:i1].view(n * lay.rows, lay.block, 1)).exp_()
+        lay = self.layout
+        p = self.scores(diag, i0, i1, shift=True).exp_()
         if lay.start == 0 and diag.e == 0 and i0 == 0:
             p[: lay.rows, 0, 0] = 1.0  # the first query's only key: p = 1 exactly
         return p
@@ -142,7 +148,12 @@ def _thresholds(layout: Layout, tau: Tensor, dtype: torch.dtype, device: torch.d
     pos = torch.arange(layout.start, layout.start + layout.nq * layout.block, device=device, dtype=dtype)
     c = tau.to(dtype)[:, None] / (pos + 1)[None, :]  # [H, nq * block]
     c = c.view(layout.heads, layout.nq, layout.block).permute(1, 0, 2)
-    return c[:, None].expand(layout.nq, layout.batch, layout.heads, layout.block).reshape(layout.nq, layout.rows, -1)
+    return (
+        c[:, None]
+        .expand(layout.nq, layout.batch, layout.heads, layout.block)
+        .reshape(layout.nq, layout.rows, -1)
+        .contiguous()
+    )
 
 
 def _weights(p: Tensor, c: Tensor, diag: Diagonal, layout: Layout, n: int, out: Tensor | None = None) -> Tensor:
@@ -161,7 +172,10 @@ def logsumexp_rows(scores: _Scores, layout: Layout) -> Tensor:
     for diag in layout.diagonals():
         for i0, i1 in layout.chunks(diag):
             row = lse[i0:i1].view(-1, layout.block)
-            torch.logaddexp(row, torch.logsumexp(scores.scores(diag, i0, i1), -1), out=row)
+            s = scores.scores(diag, i0, i1)
+            top = s.amax(-1, keepdim=True).clamp_min_(torch.finfo(s.dtype).min)  # a row may see no key here
+            blk = s.sub_(top).exp_().sum(-1).log_().add_(top[..., 0])
+            torch.logaddexp(row, blk, out=row)
     return lse
 
 
@@ -196,7 +210,8 @@ class ElasticBlockwise(torch.autograd.Function):
             for diag in lay.diagonals():
                 for i0, i1 in lay.chunks(diag):
                     n, j0 = i1 - i0, i0 - diag.e
-                    w = _weights(sc.probs(diag, i0, i1), c[i0:i1], diag, lay, n, out=None)
+                    p = sc.probs(diag, i0, i1)
+                    w = _weights(p, c[i0:i1], diag, lay, n, out=p)
                     vj = vb[j0 : j0 + n].view(n * lay.rows, block, d)
                     ob[i0:i1].view(n * lay.rows, block, d).baddbmm_(w, vj)
                     if ab is not None:
@@ -287,5 +302,3 @@ def elastic_blockwise(
     block = max(1, min(block, q.shape[2]))
     need_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, table, tau))
     return ElasticBlockwise.apply(q, k, v, table, tau, scale, block, need_grad, stats)
-
-
