@@ -5,6 +5,7 @@ seed list; causal, chunked prefill, GQA, batch 2, T not a multiple of the block;
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -158,7 +159,9 @@ class LargestTensor(TorchDispatchMode):
         super().__init__()
         self.largest = 0
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+    def __torch_dispatch__(
+        self, func: Callable[..., object], types: object, args: tuple = (), kwargs: dict | None = None
+    ) -> object:
         out = func(*args, **(kwargs or {}))
         for x in out if isinstance(out, tuple | list) else (out,):
             if isinstance(x, torch.Tensor):
@@ -166,6 +169,7 @@ class LargestTensor(TorchDispatchMode):
         return out
 
 
+@pytest.mark.slow  # the dispatch mode's first use costs seconds
 def test_no_tensor_grows_with_t_squared(monkeypatch):
     """Forward and backward at T = 256 with 32-row blocks and small chunks: every tensor stays within
     O(T * (D + block)) elements per (batch, head), far below one T x T score matrix."""

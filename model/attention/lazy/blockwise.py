@@ -80,9 +80,14 @@ class Layout:
 
     def neg_bias(self, table: Tensor, e: int, dtype: torch.dtype) -> Tensor:
         """[H, block, block] ``-b[h, clamp(i - j)]`` on diagonal e, -inf on future pairs."""
-        dist = self.distances(e, table.device)
-        out = -table.to(dtype)[:, dist.clamp(0, self.last)]
-        return out.masked_fill_((dist < 0)[None], float("-inf"))
+        # Toeplitz: entry (a, c) is u[c - a + block - 1] for one row u over the 2 * block - 1 distances (and a
+        # spare slot); u laid out block times, read with a row length one shorter, shifts each row one place
+        # (a gather over block^2 entries costs far more)
+        b = self.block
+        dist = self.start + e * b + (b - 1) - torch.arange(2 * b, device=table.device)
+        u = -table.to(dtype)[:, dist.clamp(0, self.last)]
+        u.masked_fill_((dist < 0)[None], float("-inf"))
+        return u.repeat(1, b)[:, : b * (2 * b - 1)].view(-1, b, 2 * b - 1)[:, :, b - 1 :]
 
 
 def to_blocks(x: Tensor, layout: Layout, n: int) -> Tensor:
