@@ -24,7 +24,7 @@ for values and gradients.
 CPU fast path (``blockwise``): the same two passes over block diagonals of the score matrix with a
 recomputing backward (a ``torch.autograd.Function``), exact, memory linear in T; from ``MIN_ROWS``
 queries (training, prefill, chunked prefill); decode and shorter chunks take the reference, which is
-O(Tq * Tk) there. Sink ratio and density come from its weights at no extra pass.
+O(Tq * Tk) there. Sink ratio and density come from its weights (a row sum per block, on logging steps).
 """
 
 from __future__ import annotations
