@@ -33,7 +33,7 @@ from torch import Tensor
 
 BLOCK = 256  # rows of a query / key block
 MIN_ROWS = 8  # fewer queries (decode, short prefill chunks) take the dense reference: O(Tq * Tk) is small there
-CHUNK_ELEMENTS = 1 << 21  # scores per batched matmul (8 MiB in float32): the working set of one step
+CHUNK_ELEMENTS = 1 << 20  # scores per batched matmul (4 MiB in float32): the working set of one step
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:
