@@ -65,7 +65,7 @@ CASES: list[Case] = [
     Case("full (SDPA)", "full"),
     Case("focal constant (t=0.4)", "focal", dict(mode="constant")),
     Case("focal learned (query)", "focal", dict(mode="learned")),
-    Case("lazy (zeros bias)", "lazy", dense=True),
+    Case("lazy (zeros bias)", "lazy"),
     Case("dga causal (C=128, m=16, gamma=0.1)", "dga", dict(selection="causal", chunk_size=128, group_size=16)),
     Case("dga sequence (m=16, gamma=0.1)", "dga", dict(selection="sequence", group_size=16), decode=False),
     Case("focus soft (K=4, w=128)", "focus", dict(n_groups=4, window=128), dense=True),

@@ -130,7 +130,7 @@ def fast_and_reference(module, q, k, v, q_pos, dtype=torch.float64):
     hidden = torch.zeros(q.shape[0], q.shape[2], 32, dtype=dtype)
     w = torch.randn(q.shape, dtype=dtype, generator=torch.Generator().manual_seed(9))
     results = []
-    for path in (module.fast, module.reference):
+    for path in (module.flex, module.reference):
         leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v)]
         module.zero_grad()
         with warnings.catch_warnings():
@@ -222,7 +222,7 @@ def test_compiled_fast_path_does_not_recompile_per_length(monkeypatch):
             q_pos, k_pos = torch.arange(tk - tq, tk), torch.arange(tk)
             with torch.no_grad(), warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                out = module.fast(q, k, v, hidden=None, q_pos=q_pos, k_pos=k_pos, cache=None).output
+                out = module.flex(q, k, v, hidden=None, q_pos=q_pos, k_pos=k_pos, cache=None).output
                 ref = module.reference(q, k, v, hidden=None, q_pos=q_pos, k_pos=k_pos, cache=None).output
             torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-9)
         counts[regime] = len(graphs) - before

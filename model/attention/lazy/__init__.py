@@ -18,8 +18,13 @@ negative tau lifts every visible weight by |tau|/n, so nothing is -inf). Gradien
 bias table and tau through both passes (pass 1's ``lse`` is a captured tensor of pass 2). The
 causal block mask is built once per (query, key) length and shared by every layer; a single
 query (decode) needs none. It runs where FlexAttention is compiled (CUDA), compiled once for
-dynamic lengths (``compiled_two_pass``); on CPU the reference path trains, and tests run this
-composition through eager FlexAttention for values and gradients.
+dynamic lengths (``compiled_two_pass``); tests run this composition on CPU through eager FlexAttention
+for values and gradients.
+
+CPU fast path (``blockwise``): the same two passes over block diagonals of the score matrix with a
+recomputing backward (a ``torch.autograd.Function``), exact, memory linear in T; from ``MIN_ROWS``
+queries (training, prefill, chunked prefill); decode and shorter chunks take the reference, which is
+O(Tq * Tk) there. Sink ratio and density come from its weights (a row sum per block, on logging steps).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from core.errors import check_choice, check_min
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
 from model.attention.flex import flex_supports
+from model.attention.lazy.blockwise import MIN_ROWS, elastic_blockwise, kernel_dtypes
 
 BIAS_INITS = ("zeros", "alibi")
 
@@ -104,11 +110,60 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return flex_supports(q)
+        return flex_supports(q) or self.blockwise_supports(q)
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        """Two FlexAttention passes (module docstring). Queries are at positions ``Tk - Tq .. Tk - 1``
-        and keys at ``0 .. Tk - 1``, which is what the base class passes (training, prefill, decode)."""
+    @staticmethod
+    def blockwise_supports(q: Tensor) -> bool:
+        """CPU, from MIN_ROWS queries (decode and short chunks take the reference: O(Tq * Tk) is small there)."""
+        return q.device.type == "cpu" and q.dtype in kernel_dtypes() and q.shape[2] >= MIN_ROWS
+
+    def fast(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        """Queries are at positions ``Tk - Tq .. Tk - 1`` and keys at ``0 .. Tk - 1``, which is what the base
+        class passes (training, prefill, decode): blockwise on CPU, else two FlexAttention passes."""
+        if self.blockwise_supports(q):
+            return self.blockwise(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+        return self.flex(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def blockwise(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        """Exact two-pass Elastic-Softmax over block diagonals, memory linear in T (``blockwise``)."""
+        stats: dict[str, Tensor] | None = {} if self.collect_stats else None
+        out = elastic_blockwise(q, k, v, self.distance_bias, self.tau, 1.0 / math.sqrt(self.spec.head_dim), stats=stats)
+        if stats is not None:
+            stats = {name: value.detach() for name, value in stats.items()} | {"tau": self.tau.mean().detach()}
+        return AttnOut(out, stats=stats or {})
+
+    def flex(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        """Two FlexAttention passes (module docstring)."""
         two_pass = compiled_two_pass() if q.is_cuda else elastic_two_pass
         out = two_pass(
             q,
