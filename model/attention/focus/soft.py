@@ -1,0 +1,242 @@
+"""Focus soft mode on the CPU, exact, in memory linear in T (paper appendix E.4.8 and eq. 4).
+
+Query i attends key j <= i; pairs inside the window (i - j < w) are plain attention, farther pairs get the gate of
+x_ij = lam (g_i . g_j - 0.5) (additive: + log sigmoid(x) on the logit) or of x_ij = lam g_i . g_j (multiplicative:
+the logit times sigmoid(x)). The gate is a function of two per-token assignment vectors g [B, T, K] and is shared by
+every head, so a block of queries needs only its [B, Bq, Tk] gate, one small matmul away from g.
+
+``soft_attention`` goes over blocks of queries; a block reads only the keys up to its last query (its causal prefix):
+- forward, additive: the block's gate (the window band 0, keys after a query -inf) is the float ``attn_mask`` of the
+  fused CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, broadcast over heads: cheaper than a
+  per-head mask), which returns the output and the row logsumexp. Multiplicative: the gate multiplies the logits, which
+  no additive mask expresses, so the block's scores are formed explicitly ([B, H, Bq, Tk]) and softmaxed.
+- backward (a ``torch.autograd.Function``): per block the probabilities are recomputed from the saved logsumexp,
+  P = exp(s - L), and ds = P (dP - D) with D_i = dO_i . O_i; dq, dk, dv are matmuls with ds and P; the gate's
+  gradient is ds summed over heads times its derivative (additive: sigmoid(-x); multiplicative: s_raw sigmoid'(x)),
+  which gives dg_i = lam sum_j dx_ij g_j, dg_j = lam sum_i dx_ij g_i and dlam = sum dx_ij dx/dlam.
+Memory: the inputs, output and gradients, plus a few [B, H, Bq, Tk] block temporaries with Bq * Tk bounded
+(``BLOCK_ELEMENTS``): O(T * block), never T x T.
+
+Queries are the last Tq positions of the Tk keys (a whole sequence, a prefill chunk onto a KV cache, or a decode
+step); grouped KV heads (GQA) are read in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+BLOCK_ELEMENTS = 1 << 22  # B * H * Bq * Tk entries of one block temporary (16 MiB in float32)
+MIN_BLOCK, MAX_BLOCK = 32, 512  # query rows per block
+
+
+def soft_dtypes() -> tuple[torch.dtype, ...]:
+    """Dtypes this path computes in as they are (the reference computes the gate in float32 or wider)."""
+    return (torch.float32, torch.float64)
+
+
+def block_rows(batch: int, heads: int, tq: int, tk: int) -> int:
+    """Query rows per block: as many as keep one [B, H, Bq, Tk] temporary within ``BLOCK_ELEMENTS``."""
+    rows = BLOCK_ELEMENTS // max(1, batch * heads * tk)
+    return max(1, min(tq, max(MIN_BLOCK, min(MAX_BLOCK, rows))))
+
+
+class _Block:
+    """One block of queries, rows [lo, hi) at positions start + lo .. start + hi - 1, over keys [0, kend)."""
+
+    def __init__(self, lo: int, hi: int, start: int, window: int):
+        self.lo, self.hi = lo, hi
+        self.kend = start + hi  # keys after the block's last query are never read
+        # keys before ``far`` are outside the window of every row of the block: the gate applies unmasked there
+        self.far = max(0, min(self.kend, start + lo - window + 1))
+        pos = torch.arange(start + lo, start + hi)[:, None]
+        keys = torch.arange(self.far, self.kend)[None, :]
+        self.tail_future = keys > pos  # [Bq, kend - far]
+        self.tail_near = (pos - keys < window) & ~self.tail_future
+        self.tail_ungated = self.tail_near | self.tail_future
+
+
+def _affinity(g_q: Tensor, g_k: Tensor, blk: _Block) -> Tensor:
+    """g_i . g_j for the block's rows and keys: [B, Bq, kend]."""
+    return g_q[:, blk.lo : blk.hi] @ g_k[:, : blk.kend].transpose(-1, -2)
+
+
+def _gate_x(aff: Tensor, lam: Tensor, additive: bool) -> Tensor:
+    return lam * (aff - 0.5) if additive else lam * aff
+
+
+def _additive_mask(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block) -> Tensor:
+    """The additive gate of the block with the window band at 0 and the future at -inf: [B, Bq, kend]."""
+    mask = F.logsigmoid(_gate_x(_affinity(g_q, g_k, blk), lam, True))
+    tail = mask[:, :, blk.far :]
+    tail.masked_fill_(blk.tail_near, 0.0)
+    tail.masked_fill_(blk.tail_future, float("-inf"))
+    return mask
+
+
+def _multiplier(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block) -> tuple[Tensor, Tensor]:
+    """(multiplicative gate [B, Bq, kend] with the window band at 1, affinity)."""
+    aff = _affinity(g_q, g_k, blk)
+    m = torch.sigmoid(_gate_x(aff, lam, False))
+    m[:, :, blk.far :].masked_fill_(blk.tail_near, 1.0)
+    return m, aff
+
+
+def _grouped(x: Tensor, n_kv: int) -> Tensor:
+    """[B, H, Bq, D] -> [B, Hkv, G * Bq, D] (head h reads KV head h // G)."""
+    b, h, t, d = x.shape
+    return x.reshape(b, n_kv, (h // n_kv) * t, d)
+
+
+def _scores(q_blk: Tensor, k: Tensor, scale: float) -> Tensor:
+    """scale q k^T as [B, Hkv, G, Bq, Tk]."""
+    b, h, t, _ = q_blk.shape
+    n_kv = k.shape[1]
+    s = torch.matmul(_grouped(q_blk, n_kv), k.transpose(-1, -2))
+    return s.mul_(scale).view(b, n_kv, h // n_kv, t, k.shape[2])
+
+
+def _multiplicative_forward(
+    q_blk: Tensor, k: Tensor, v: Tensor, m: Tensor, blk: _Block, scale: float
+) -> tuple[Tensor, Tensor]:
+    s = _scores(q_blk, k, scale)
+    s.mul_(m[:, None, None])
+    s[..., blk.far :].masked_fill_(blk.tail_future, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = s.sub_(lse[..., None]).exp_()
+    b, n_kv, g, t, tk = p.shape
+    out = torch.matmul(p.view(b, n_kv, g * t, tk), v).view(b, n_kv * g, t, -1)
+    return out, lse.view(b, n_kv * g, t)
+
+
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, lam: Tensor, window: int, scale: float, additive: bool
+) -> tuple[Tensor, Tensor]:
+    b, h, tq, _ = q.shape
+    tk = k.shape[2]
+    start = tk - tq
+    out = torch.empty_like(q)
+    lse = q.new_empty(b, h, tq)
+    rows = block_rows(b, h, tq, tk)
+    for lo in range(0, tq, rows):
+        blk = _Block(lo, min(tq, lo + rows), start, window)
+        q_blk, k_blk, v_blk = q[:, :, blk.lo : blk.hi], k[:, :, : blk.kend], v[:, :, : blk.kend]
+        if additive:
+            mask = _additive_mask(g_q, g_k, lam, blk)
+            o, l_blk = _FWD(q_blk, k_blk, v_blk, 0.0, False, attn_mask=mask[:, None], scale=scale)
+        else:
+            m, _ = _multiplier(g_q, g_k, lam, blk)
+            o, l_blk = _multiplicative_forward(q_blk, k_blk, v_blk, m, blk, scale)
+        out[:, :, blk.lo : blk.hi] = o
+        lse[:, :, blk.lo : blk.hi] = l_blk
+    return out, lse
+
+
+class SoftAttention(torch.autograd.Function):
+    """Values and gradients (q, k, v, g_q, g_k, lam) of blockwise soft-gated attention; see the module docstring."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]  # autograd.Function's forward takes the inputs as they are
+        ctx: torch.autograd.function.FunctionCtx,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g_q: Tensor,
+        g_k: Tensor,
+        lam: Tensor,
+        window: int,
+        scale: float,
+        additive: bool,
+    ) -> Tensor:
+        out, lse = _forward(q, k, v, g_q, g_k, lam, window, scale, additive)
+        ctx.save_for_backward(q, k, v, g_q, g_k, lam, out, lse)
+        ctx.window, ctx.scale, ctx.additive = window, scale, additive  # type: ignore[attr-defined]
+        return out
+
+    @staticmethod
+    def backward(  # type: ignore[override]  # the gradients of forward's inputs, None for the settings
+        ctx: torch.autograd.function.FunctionCtx, grad_out: Tensor
+    ) -> tuple[Tensor | None, ...]:
+        q, k, v, g_q, g_k, lam, out, lse = ctx.saved_tensors  # type: ignore[attr-defined]
+        window, scale, additive = ctx.window, ctx.scale, ctx.additive  # type: ignore[attr-defined]
+        grads = _backward(grad_out, q, k, v, g_q, g_k, lam, out, lse, window, scale, additive)
+        return (*grads, None, None, None)
+
+
+def _backward(
+    grad_out: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g_q: Tensor,
+    g_k: Tensor,
+    lam: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    window: int,
+    scale: float,
+    additive: bool,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    b, h, tq, _ = q.shape
+    n_kv, tk = k.shape[1], k.shape[2]
+    n_rep, start = h // n_kv, tk - tq
+    grad_out = grad_out.contiguous()
+    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dg_q, dg_k = torch.zeros_like(g_q), torch.zeros_like(g_k)
+    dlam = torch.zeros((), dtype=g_q.dtype)
+    delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i [B, H, Tq]
+    rows = block_rows(b, h, tq, tk)
+    for lo in range(0, tq, rows):
+        blk = _Block(lo, min(tq, lo + rows), start, window)
+        t, kend = blk.hi - blk.lo, blk.kend
+        q_blk, k_blk, v_blk = q[:, :, blk.lo : blk.hi], k[:, :, :kend], v[:, :, :kend]
+        do_g = _grouped(grad_out[:, :, blk.lo : blk.hi], n_kv)
+        s = _scores(q_blk, k_blk, scale)  # [B, Hkv, G, Bq, Tk]
+        if additive:
+            aff = _affinity(g_q, g_k, blk)
+            x = _gate_x(aff, lam, True)
+            mask = F.logsigmoid(x)
+            mask[:, :, blk.far :].masked_fill_(blk.tail_near, 0.0)
+            mask[:, :, blk.far :].masked_fill_(blk.tail_future, float("-inf"))
+            s.add_(mask[:, None, None])
+            s_raw = None
+        else:
+            m, aff = _multiplier(g_q, g_k, lam, blk)
+            s_raw = s.clone()
+            s.mul_(m[:, None, None])
+            s[..., blk.far :].masked_fill_(blk.tail_future, float("-inf"))
+        p = s.sub_(lse[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).exp_()
+        p_flat = p.view(b, n_kv, n_rep * t, kend)
+        dv[:, :, :kend] += torch.matmul(p_flat.transpose(-1, -2), do_g)
+        dp = torch.matmul(do_g, v_blk.transpose(-1, -2)).view(b, n_kv, n_rep, t, kend)
+        ds = dp.sub_(delta[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).mul_(p)  # dL/d(gated logit)
+        ds_heads = ds.sum(dim=(1, 2))  # [B, Bq, Tk]: the gate is shared by the heads
+        if additive:
+            # d log sigmoid(x) / dx = sigmoid(-x), on the distant pairs only
+            dx = ds_heads.mul_(torch.sigmoid(x.neg_()))
+            dx[:, :, blk.far :].masked_fill_(blk.tail_ungated, 0.0)
+            dlam += (dx * (aff - 0.5)).sum()
+        else:
+            assert s_raw is not None
+            dm = (ds * s_raw).sum(dim=(1, 2))
+            dx = dm.mul_(m * (1.0 - m))  # sigmoid'(x) = m (1 - m); the band's m = 1 gives 0 there
+            dx[:, :, blk.far :].masked_fill_(blk.tail_future, 0.0)
+            dlam += (dx * aff).sum()
+            ds.mul_(m[:, None, None])  # dL/d(raw logit)
+        ds_flat = ds.view(b, n_kv, n_rep * t, kend)
+        dq[:, :, blk.lo : blk.hi] = torch.matmul(ds_flat, k_blk).mul_(scale).view(b, h, t, -1)
+        dk[:, :, :kend] += torch.matmul(ds_flat.transpose(-1, -2), _grouped(q_blk, n_kv)).mul_(scale)
+        dg_q[:, blk.lo : blk.hi] += torch.matmul(dx, g_k[:, :kend]).mul_(lam)
+        dg_k[:, :kend] += torch.matmul(dx.transpose(-1, -2), g_q[:, blk.lo : blk.hi]).mul_(lam)
+    return dq, dk, dv, dg_q, dg_k, dlam.reshape(lam.shape).to(lam.dtype)
+
+
+def soft_attention(
+    q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, lam: Tensor, *, window: int, scale: float, gate: str
+) -> Tensor:
+    """Soft-gated causal attention of q [B, H, Tq, D] (the last Tq of the Tk positions) over k, v [B, Hkv, Tk, D];
+    g_q [B, Tq, K], g_k [B, Tk, K] assignments, lam [1] the gate strength. The same as the dense reference."""
+    dtype = q.dtype
+    return SoftAttention.apply(q, k, v, g_q.to(dtype), g_k.to(dtype), lam.to(dtype), window, scale, gate == "additive")
