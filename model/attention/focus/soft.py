@@ -49,39 +49,46 @@ class _Block:
     def __init__(self, lo: int, hi: int, start: int, window: int):
         self.lo, self.hi = lo, hi
         self.kend = start + hi  # keys after the block's last query are never read
-        # keys before ``far`` are outside the window of every row of the block: the gate applies unmasked there
+        # keys before ``far`` are outside the window of every row of the block: the gate applies unmasked there; the
+        # masks below cover only the tail [far, kend) (at most Bq + window - 1 keys wide)
         self.far = max(0, min(self.kend, start + lo - window + 1))
         pos = torch.arange(start + lo, start + hi)[:, None]
         keys = torch.arange(self.far, self.kend)[None, :]
-        self.tail_future = keys > pos  # [Bq, kend - far]
-        self.tail_near = (pos - keys < window) & ~self.tail_future
-        self.tail_ungated = self.tail_near | self.tail_future
+        self.future = keys > pos  # [Bq, kend - far]
+        self.near = (pos - keys < window) & ~self.future  # inside the window: never gated
 
 
-def _affinity(g_q: Tensor, g_k: Tensor, blk: _Block) -> Tensor:
-    """g_i . g_j for the block's rows and keys: [B, Bq, kend]."""
-    return g_q[:, blk.lo : blk.hi] @ g_k[:, : blk.kend].transpose(-1, -2)
+def _gate_x(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) -> Tensor:
+    """x_ij for the block's rows and keys, [B, Bq, kend]: lam (g_i . g_j - 0.5) as one matmul of [lam g_i, -lam / 2]
+    and [g_j, 1] (additive), or (lam g_i) . g_j (multiplicative)."""
+    a_q, a_k = g_q[:, blk.lo : blk.hi] * lam, g_k[:, : blk.kend]
+    if additive:
+        a_q = torch.cat([a_q, (-0.5 * lam).expand(*a_q.shape[:2], 1)], dim=-1)
+        a_k = torch.cat([a_k, a_k.new_ones(*a_k.shape[:2], 1)], dim=-1)
+    return torch.matmul(a_q, a_k.transpose(-1, -2))
 
 
-def _gate_x(aff: Tensor, lam: Tensor, additive: bool) -> Tensor:
-    return lam * (aff - 0.5) if additive else lam * aff
+def _factor(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) -> Tensor:
+    """sigmoid(x) on the gated pairs, 1 inside the window, 0 after the query (additive) / sigmoid(x) unmasked at
+    the future (multiplicative: those logits are masked separately): [B, Bq, kend]. The additive gate is its log."""
+    factor = torch.sigmoid_(_gate_x(g_q, g_k, lam, blk, additive))
+    tail = factor[:, :, blk.far :]
+    tail.masked_fill_(blk.near, 1.0)
+    if additive:
+        tail.masked_fill_(blk.future, 0.0)
+    return factor
 
 
-def _additive_mask(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block) -> Tensor:
-    """The additive gate of the block with the window band at 0 and the future at -inf: [B, Bq, kend]."""
-    mask = F.logsigmoid(_gate_x(_affinity(g_q, g_k, blk), lam, True))
+def _additive_mask(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, exact_log: bool) -> Tensor:
+    """The additive gate log sigmoid(x), 0 inside the window and -inf after the query: [B, Bq, kend]. As log of the
+    sigmoid (twice as fast as ``logsigmoid``) while |x| cannot reach the sigmoid's underflow (``exact_log`` False)."""
+    if not exact_log:
+        return _factor(g_q, g_k, lam, blk, True).log_()
+    mask = F.logsigmoid(_gate_x(g_q, g_k, lam, blk, True))
     tail = mask[:, :, blk.far :]
-    tail.masked_fill_(blk.tail_near, 0.0)
-    tail.masked_fill_(blk.tail_future, float("-inf"))
+    tail.masked_fill_(blk.near, 0.0)
+    tail.masked_fill_(blk.future, float("-inf"))
     return mask
-
-
-def _multiplier(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block) -> tuple[Tensor, Tensor]:
-    """(multiplicative gate [B, Bq, kend] with the window band at 1, affinity)."""
-    aff = _affinity(g_q, g_k, blk)
-    m = torch.sigmoid(_gate_x(aff, lam, False))
-    m[:, :, blk.far :].masked_fill_(blk.tail_near, 1.0)
-    return m, aff
 
 
 def _grouped(x: Tensor, n_kv: int) -> Tensor:
@@ -90,25 +97,29 @@ def _grouped(x: Tensor, n_kv: int) -> Tensor:
     return x.reshape(b, n_kv, (h // n_kv) * t, d)
 
 
-def _scores(q_blk: Tensor, k: Tensor, scale: float) -> Tensor:
-    """scale q k^T as [B, Hkv, G, Bq, Tk]."""
+def _scores(q_blk: Tensor, k: Tensor) -> Tensor:
+    """q k^T (q already scaled) as [B, Hkv, G, Bq, Tk]."""
     b, h, t, _ = q_blk.shape
     n_kv = k.shape[1]
     s = torch.matmul(_grouped(q_blk, n_kv), k.transpose(-1, -2))
-    return s.mul_(scale).view(b, n_kv, h // n_kv, t, k.shape[2])
+    return s.view(b, n_kv, h // n_kv, t, k.shape[2])
 
 
-def _multiplicative_forward(
-    q_blk: Tensor, k: Tensor, v: Tensor, m: Tensor, blk: _Block, scale: float
-) -> tuple[Tensor, Tensor]:
-    s = _scores(q_blk, k, scale)
+def _multiplicative_forward(q_blk: Tensor, k: Tensor, v: Tensor, m: Tensor, blk: _Block) -> tuple[Tensor, Tensor]:
+    s = _scores(q_blk, k)
     s.mul_(m[:, None, None])
-    s[..., blk.far :].masked_fill_(blk.tail_future, float("-inf"))
+    s[..., blk.far :].masked_fill_(blk.future, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse[..., None]).exp_()
     b, n_kv, g, t, tk = p.shape
     out = torch.matmul(p.view(b, n_kv, g * t, tk), v).view(b, n_kv * g, t, -1)
     return out, lse.view(b, n_kv * g, t)
+
+
+def _exact_log(lam: Tensor, additive: bool) -> bool:
+    """Whether the gate needs ``logsigmoid`` itself: |x| <= |lam| / 2 (g_i . g_j in [0, 1]) may underflow the
+    sigmoid of float32 (below -87) only when |lam| passes 160."""
+    return additive and abs(float(lam)) > 160.0
 
 
 def _forward(
@@ -120,15 +131,16 @@ def _forward(
     out = torch.empty_like(q)
     lse = q.new_empty(b, h, tq)
     rows = block_rows(b, h, tq, tk)
+    exact_log = _exact_log(lam, additive)
     for lo in range(0, tq, rows):
         blk = _Block(lo, min(tq, lo + rows), start, window)
         q_blk, k_blk, v_blk = q[:, :, blk.lo : blk.hi], k[:, :, : blk.kend], v[:, :, : blk.kend]
         if additive:
-            mask = _additive_mask(g_q, g_k, lam, blk)
+            mask = _additive_mask(g_q, g_k, lam, blk, exact_log)
             o, l_blk = _FWD(q_blk, k_blk, v_blk, 0.0, False, attn_mask=mask[:, None], scale=scale)
         else:
-            m, _ = _multiplier(g_q, g_k, lam, blk)
-            o, l_blk = _multiplicative_forward(q_blk, k_blk, v_blk, m, blk, scale)
+            m = _factor(g_q, g_k, lam, blk, False)
+            o, l_blk = _multiplicative_forward(q_blk * scale, k_blk, v_blk, m, blk)
         out[:, :, blk.lo : blk.hi] = o
         lse[:, :, blk.lo : blk.hi] = l_blk
     return out, lse
@@ -183,53 +195,49 @@ def _backward(
     n_kv, tk = k.shape[1], k.shape[2]
     n_rep, start = h // n_kv, tk - tq
     grad_out = grad_out.contiguous()
+    q_scaled = q * scale
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    dg_q, dg_k = torch.zeros_like(g_q), torch.zeros_like(g_k)
+    dg_q, dg_k = torch.empty_like(g_q), torch.zeros_like(g_k)
     dlam = torch.zeros((), dtype=g_q.dtype)
     delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i [B, H, Tq]
     rows = block_rows(b, h, tq, tk)
     for lo in range(0, tq, rows):
         blk = _Block(lo, min(tq, lo + rows), start, window)
         t, kend = blk.hi - blk.lo, blk.kend
-        q_blk, k_blk, v_blk = q[:, :, blk.lo : blk.hi], k[:, :, :kend], v[:, :, :kend]
+        q_blk, k_blk, v_blk = q_scaled[:, :, blk.lo : blk.hi], k[:, :, :kend], v[:, :, :kend]
         do_g = _grouped(grad_out[:, :, blk.lo : blk.hi], n_kv)
-        s = _scores(q_blk, k_blk, scale)  # [B, Hkv, G, Bq, Tk]
-        if additive:
-            aff = _affinity(g_q, g_k, blk)
-            x = _gate_x(aff, lam, True)
-            mask = F.logsigmoid(x)
-            mask[:, :, blk.far :].masked_fill_(blk.tail_near, 0.0)
-            mask[:, :, blk.far :].masked_fill_(blk.tail_future, float("-inf"))
-            s.add_(mask[:, None, None])
-            s_raw = None
-        else:
-            m, aff = _multiplier(g_q, g_k, lam, blk)
-            s_raw = s.clone()
-            s.mul_(m[:, None, None])
-            s[..., blk.far :].masked_fill_(blk.tail_future, float("-inf"))
+        factor = _factor(g_q, g_k, lam, blk, additive)  # [B, Bq, Tk]
+        s = _scores(q_blk, k_blk)  # [B, Hkv, G, Bq, Tk], scaled logits before the gate
+        s_raw = None if additive else s.clone()
+        if not additive:
+            s.mul_(factor[:, None, None])
+        s[..., blk.far :].masked_fill_(blk.future, float("-inf"))
         p = s.sub_(lse[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).exp_()
+        if additive:  # exp(s + log f - L) = exp(s - L) f: the gate's log is never taken here
+            p.mul_(factor[:, None, None])
         p_flat = p.view(b, n_kv, n_rep * t, kend)
         dv[:, :, :kend] += torch.matmul(p_flat.transpose(-1, -2), do_g)
         dp = torch.matmul(do_g, v_blk.transpose(-1, -2)).view(b, n_kv, n_rep, t, kend)
         ds = dp.sub_(delta[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).mul_(p)  # dL/d(gated logit)
-        ds_heads = ds.sum(dim=(1, 2))  # [B, Bq, Tk]: the gate is shared by the heads
         if additive:
-            # d log sigmoid(x) / dx = sigmoid(-x), on the distant pairs only
-            dx = ds_heads.mul_(torch.sigmoid(x.neg_()))
-            dx[:, :, blk.far :].masked_fill_(blk.tail_ungated, 0.0)
-            dlam += (dx * (aff - 0.5)).sum()
+            # the gate log f is shared by the heads; d log sigmoid(x) / dx = 1 - f (0 in the window, where f = 1)
+            ds_heads = ds.sum(dim=(1, 2))
+            dx = torch.addcmul(ds_heads, ds_heads, factor, value=-1.0)
         else:
             assert s_raw is not None
-            dm = (ds * s_raw).sum(dim=(1, 2))
-            dx = dm.mul_(m * (1.0 - m))  # sigmoid'(x) = m (1 - m); the band's m = 1 gives 0 there
-            dx[:, :, blk.far :].masked_fill_(blk.tail_future, 0.0)
-            dlam += (dx * aff).sum()
-            ds.mul_(m[:, None, None])  # dL/d(raw logit)
+            dm = s_raw.mul_(ds).sum(dim=(1, 2))  # d(s_raw f) / df = s_raw, summed over the heads
+            dx = dm.mul_(factor * (1.0 - factor))  # sigmoid'(x) = f (1 - f): 0 in the window, where f = 1
+            ds.mul_(factor[:, None, None])  # dL/d(raw logit)
         ds_flat = ds.view(b, n_kv, n_rep * t, kend)
         dq[:, :, blk.lo : blk.hi] = torch.matmul(ds_flat, k_blk).mul_(scale).view(b, h, t, -1)
-        dk[:, :, :kend] += torch.matmul(ds_flat.transpose(-1, -2), _grouped(q_blk, n_kv)).mul_(scale)
-        dg_q[:, blk.lo : blk.hi] += torch.matmul(dx, g_k[:, :kend]).mul_(lam)
-        dg_k[:, :kend] += torch.matmul(dx.transpose(-1, -2), g_q[:, blk.lo : blk.hi]).mul_(lam)
+        dk[:, :, :kend] += torch.matmul(ds_flat.transpose(-1, -2), _grouped(q_blk, n_kv))  # q_blk holds the scale
+        # x = lam (g_i . g_j) (- lam / 2): dg_i = lam sum_j dx_ij g_j, dg_j = lam sum_i dx_ij g_i, and dlam =
+        # sum dx_ij g_i . g_j (- sum dx / 2) = sum_i g_i . (dx g)_i (- ...): the transposed products are the fast ones
+        g_blk = g_q[:, blk.lo : blk.hi]
+        dx_g = torch.matmul(g_k[:, :kend].transpose(-1, -2), dx.transpose(-1, -2)).transpose(-1, -2)  # [B, Bq, K]
+        dlam += (g_blk * dx_g).sum() - (0.5 * dx.sum() if additive else 0.0)
+        dg_q[:, blk.lo : blk.hi] = dx_g.mul_(lam)
+        dg_k[:, :kend] += torch.matmul(g_blk.transpose(-1, -2), dx).transpose(-1, -2).mul_(lam)
     return dq, dk, dv, dg_q, dg_k, dlam.reshape(lam.shape).to(lam.dtype)
 
 
