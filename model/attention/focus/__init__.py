@@ -8,8 +8,9 @@ future) or by softmax (kept for the collapse comparison).
 - ``soft`` mode (training): pairs inside the window (i - j < w) are plain attention; outside it
   ``log sigmoid(lam (g_i . g_j - 0.5))`` is added to the logit (E.4.8), or with
   ``gate = "multiplicative"`` the logit is multiplied by ``sigmoid(lam g_i . g_j)`` (eq. 4).
-  Reference: dense gate, any device. Fast path (CUDA): FlexAttention ``score_mod`` computing the
-  gate from the captured per-token assignments.
+  Reference: dense gate, any device. Fast paths: CUDA, FlexAttention ``score_mod`` computing the
+  gate from the captured per-token assignments; CPU (``soft.py``), per query block the gate as the fused
+  CPU kernel's ``attn_mask`` and a blockwise backward, exact in O(T * block) memory.
 - ``hard`` mode (inference): each token belongs to its top-k groups; i attends j iff j <= i and
   (i - j < w or their memberships intersect). Reference: dense mask. Fast paths (``hard/``):
   CPU, the sorted-group decomposition on the fused CPU flash kernel (values and gradients); CUDA, two
