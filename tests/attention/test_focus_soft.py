@@ -25,6 +25,7 @@ TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-
 def small_blocks(monkeypatch):
     """Blocks of MIN_BLOCK = 32 query rows here, so T = 75 is three blocks, the last one partial."""
     monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(soft, "BLOCK_SHARE", 0)
 
 
 def module(seed: int, dtype: torch.dtype, **options) -> torch.nn.Module:
@@ -150,6 +151,8 @@ def test_fast_path_on_cpu_only_for_float32_and_float64():
 
 
 def test_block_rows_bound_the_block_temporaries(monkeypatch):
-    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1 << 22)
-    assert soft.block_rows(1, 4, 16384, 16384) * 4 * 16384 <= max(soft.BLOCK_ELEMENTS, 4 * 16384 * soft.MIN_BLOCK)
-    assert soft.block_rows(1, 4, 100, 100) == 100  # a short sequence is one block
+    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(soft, "BLOCK_SHARE", 2)
+    assert soft.block_rows(1, 4, 16384, 16384, 64) == 128  # a [B, H, Bq, T] temporary of twice q's size
+    assert soft.block_rows(1, 4, 1024, 1024, 64) == 256  # 4 MiB
+    assert soft.block_rows(1, 4, 100, 100, 64) == 100  # a short sequence is one block

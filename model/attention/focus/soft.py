@@ -28,8 +28,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-BLOCK_ELEMENTS = 1 << 20  # B * H * Bq * Tk entries of one block temporary (4 MiB in float32): the peak memory; the
-# time hardly depends on it (Bq = 64, 128 or 256 rows at T = 4096 measured within noise)
+BLOCK_ELEMENTS = 1 << 20  # B * H * Bq * Tk entries of one block temporary at least (4 MiB in float32) ...
+BLOCK_SHARE = 2  # ... or up to twice q's entries: few blocks (each op's threads meet once per block), the peak memory
+# a few times q's
 MIN_BLOCK, MAX_BLOCK = 32, 512  # query rows per block
 
 
@@ -38,9 +39,11 @@ def soft_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.float64)
 
 
-def block_rows(batch: int, heads: int, tq: int, tk: int) -> int:
-    """Query rows per block: as many as keep one [B, H, Bq, Tk] temporary within ``BLOCK_ELEMENTS``."""
-    rows = BLOCK_ELEMENTS // max(1, batch * heads * tk)
+def block_rows(batch: int, heads: int, tq: int, tk: int, head_dim: int) -> int:
+    """Query rows per block: as many as keep one [B, H, Bq, Tk] temporary within ``BLOCK_ELEMENTS`` or
+    ``BLOCK_SHARE`` times q's size, whichever is larger."""
+    budget = max(BLOCK_ELEMENTS, BLOCK_SHARE * batch * heads * tq * head_dim)
+    rows = budget // max(1, batch * heads * tk)
     return max(1, min(tq, max(MIN_BLOCK, min(MAX_BLOCK, rows))))
 
 
@@ -131,7 +134,7 @@ def _forward(
     start = tk - tq
     out = torch.empty_like(q)
     lse = q.new_empty(b, h, tq)
-    rows = block_rows(b, h, tq, tk)
+    rows = block_rows(b, h, tq, tk, q.shape[3])
     exact_log = _exact_log(lam, additive)
     for lo in range(0, tq, rows):
         blk = _Block(lo, min(tq, lo + rows), start, window)
@@ -196,10 +199,11 @@ def _backward(
     grad_out = grad_out.contiguous()
     q_scaled = q * scale
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dk_3, dv_3 = dk.view(b * n_kv, tk, -1), dv.view(b * n_kv, tk, -1)  # accumulated in place by baddbmm_
     dg_q, dg_k = torch.empty_like(g_q), torch.zeros_like(g_k)
     dlam = torch.zeros((), dtype=g_q.dtype)
     delta = (grad_out * out).sum(-1)  # D_i = dO_i . O_i [B, H, Tq]
-    rows = block_rows(b, h, tq, tk)
+    rows = block_rows(b, h, tq, tk, q.shape[3])
     for lo in range(0, tq, rows):
         blk = _Block(lo, min(tq, lo + rows), start, window)
         t, kend = blk.hi - blk.lo, blk.kend
@@ -214,8 +218,8 @@ def _backward(
         p = s.sub_(lse[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).exp_()
         if additive:  # exp(s + log f - L) = exp(s - L) f: the gate's log is never taken here
             p.mul_(factor[:, None, None])
-        p_flat = p.view(b, n_kv, n_rep * t, kend)
-        dv[:, :, :kend] += torch.matmul(p_flat.transpose(-1, -2), do_g)
+        p_flat = p.view(b * n_kv, n_rep * t, kend)
+        dv_3[:, :kend].baddbmm_(p_flat.transpose(-1, -2), do_g.reshape(b * n_kv, n_rep * t, -1))
         dp = torch.matmul(do_g, v_blk.transpose(-1, -2)).view(b, n_kv, n_rep, t, kend)
         ds = dp.sub_(delta[:, :, blk.lo : blk.hi].reshape(b, n_kv, n_rep, t, 1)).mul_(p)  # dL/d(gated logit)
         if additive:
@@ -227,9 +231,11 @@ def _backward(
             dm = s_raw.mul_(ds).sum(dim=(1, 2))  # d(s_raw f) / df = s_raw, summed over the heads
             dx = dm.mul_(factor * (1.0 - factor))  # sigmoid'(x) = f (1 - f): 0 in the window, where f = 1
             ds.mul_(factor[:, None, None])  # dL/d(raw logit)
-        ds_flat = ds.view(b, n_kv, n_rep * t, kend)
-        dq[:, :, blk.lo : blk.hi] = torch.matmul(ds_flat, k_blk).mul_(scale).view(b, h, t, -1)
-        dk[:, :, :kend] += torch.matmul(ds_flat.transpose(-1, -2), _grouped(q_blk, n_kv))  # q_blk holds the scale
+        ds_flat = ds.view(b * n_kv, n_rep * t, kend)
+        dq_blk = torch.matmul(ds_flat, k_blk.reshape(b * n_kv, kend, -1))
+        dq[:, :, blk.lo : blk.hi] = dq_blk.mul_(scale).view(b, h, t, -1)
+        # q_blk holds the scale
+        dk_3[:, :kend].baddbmm_(ds_flat.transpose(-1, -2), _grouped(q_blk, n_kv).reshape(b * n_kv, n_rep * t, -1))
         # x = lam (g_i . g_j) (- lam / 2): dg_i = lam sum_j dx_ij g_j, dg_j = lam sum_i dx_ij g_i, and dlam =
         # sum dx_ij g_i . g_j (- sum dx / 2) = sum_i g_i . (dx g)_i (- ...): the transposed products are the fast ones
         g_blk = g_q[:, blk.lo : blk.hi]
