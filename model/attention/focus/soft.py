@@ -198,7 +198,8 @@ def _backward(
     n_rep, start = h // n_kv, tk - tq
     grad_out = grad_out.contiguous()
     q_scaled = q * scale
-    dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq = torch.empty_like(q)
+    dk, dv = (torch.zeros(x.shape, dtype=x.dtype, device=x.device) for x in (k, v))  # contiguous, as k may not be
     dk_3, dv_3 = dk.view(b * n_kv, tk, -1), dv.view(b * n_kv, tk, -1)  # accumulated in place by baddbmm_
     dg_q, dg_k = torch.empty_like(g_q), torch.zeros_like(g_k)
     dlam = torch.zeros((), dtype=g_q.dtype)
