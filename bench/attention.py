@@ -68,7 +68,7 @@ CASES: list[Case] = [
     Case("lazy (zeros bias)", "lazy"),
     Case("dga causal (C=128, m=16, gamma=0.1)", "dga", dict(selection="causal", chunk_size=128, group_size=16)),
     Case("dga sequence (m=16, gamma=0.1)", "dga", dict(selection="sequence", group_size=16), decode=False),
-    Case("focus soft (K=4, w=128)", "focus", dict(n_groups=4, window=128), dense=True),
+    Case("focus soft (K=4, w=128)", "focus", dict(n_groups=4, window=128)),
     Case("focus hard k=1 (K=4, w=128)", "focus", dict(n_groups=4, top_k=1, **HARD)),
     Case("focus hard k=1 (K=8, w=128)", "focus", dict(n_groups=8, top_k=1, **HARD)),
     Case("focus hard k=2 (K=4, w=128)", "focus", dict(n_groups=4, top_k=2, **HARD)),

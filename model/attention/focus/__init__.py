@@ -8,8 +8,9 @@ future) or by softmax (kept for the collapse comparison).
 - ``soft`` mode (training): pairs inside the window (i - j < w) are plain attention; outside it
   ``log sigmoid(lam (g_i . g_j - 0.5))`` is added to the logit (E.4.8), or with
   ``gate = "multiplicative"`` the logit is multiplied by ``sigmoid(lam g_i . g_j)`` (eq. 4).
-  Reference: dense gate, any device. Fast path (CUDA): FlexAttention ``score_mod`` computing the
-  gate from the captured per-token assignments.
+  Reference: dense gate, any device. Fast paths: CUDA, FlexAttention ``score_mod`` computing the
+  gate from the captured per-token assignments; CPU (``soft.py``), per query block the gate as the fused
+  CPU kernel's ``attn_mask`` and a blockwise backward, exact in O(T * block) memory.
 - ``hard`` mode (inference): each token belongs to its top-k groups; i attends j iff j <= i and
   (i - j < w or their memberships intersect). Reference: dense mask. Fast paths (``hard/``):
   CPU, the sorted-group decomposition on the fused CPU flash kernel (values and gradients); CUDA, two
@@ -41,6 +42,7 @@ from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attent
 from model.attention.focus.hard.flex import flex_hard_attention
 from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.focus.soft import soft_attention, soft_dtypes
 
 SCOPES = ("prefix", "sequence")
 ASSIGNMENTS = ("sinkhorn", "softmax")
@@ -227,25 +229,30 @@ class FocusAttention(Attention):
 
     def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         g_q, g_k = self.assignments(hidden, cache)
-        s = ref.scores(q, k, self._scale())
-        causal = ref.causal_mask(q_pos, k_pos)
-        if self.cfg.mode == "hard":
-            bits_q, bits_k = self._memberships(g_q, g_k, cache)
-            mask = hard_mask(bits_q, bits_k, q_pos, k_pos, self.cfg.window)[:, None]
-        else:
-            gate, distant = self.gate_logits(g_q.to(s.dtype), g_k.to(s.dtype), q_pos, k_pos)
-            if self.cfg.gate == "additive":
-                s = s + torch.where(distant, gate, torch.zeros_like(gate))[:, None]
-            else:
-                s = torch.where(distant, s * gate[:, None], s)
-            mask = causal
-        p = ref.masked_softmax(s, mask)
+        if self.cfg.mode == "soft":
+            return self._out(self.soft_dense(q, k, v, g_q, g_k, q_pos, k_pos), g_q, g_k, q_pos, k_pos, cache)
+        bits_q, bits_k = self._memberships(g_q, g_k, cache)
+        mask = hard_mask(bits_q, bits_k, q_pos, k_pos, self.cfg.window)[:, None]
+        p = ref.masked_softmax(ref.scores(q, k, self._scale()), mask)
         return self._out(ref.weighted_values(p, v, q.dtype), g_q, g_k, q_pos, k_pos, cache)
+
+    def soft_dense(
+        self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
+        """Soft-gated causal attention with the dense [B, H, Tq, Tk] gate and scores (the reference)."""
+        s = ref.scores(q, k, self._scale())
+        gate, distant = self.gate_logits(g_q.to(s.dtype), g_k.to(s.dtype), q_pos, k_pos)
+        if self.cfg.gate == "additive":
+            s = s + torch.where(distant, gate, torch.zeros_like(gate))[:, None]
+        else:
+            s = torch.where(distant, s * gate[:, None], s)
+        p = ref.masked_softmax(s, ref.causal_mask(q_pos, k_pos))
+        return ref.weighted_values(p, v, q.dtype)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         if self.cfg.mode == "hard":
             return True  # the exact decomposition runs on any device
-        return flex_supports(q)
+        return flex_supports(q) or (q.device.type == "cpu" and q.dtype in soft_dtypes())
 
     def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
         if self._host_decodes(q, k, q_pos, cache):
@@ -257,9 +264,23 @@ class FocusAttention(Attention):
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
             out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
-        else:
+        elif flex_supports(q):
             out = self.soft_flex(q, k, v, g_q, g_k, q_pos)
+        else:
+            out = self.soft_cpu(q, k, v, g_q, g_k, q_pos, k_pos)
         return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+
+    def soft_cpu(
+        self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
+        """Soft mode on the CPU: the blockwise exact path (``soft.py``) when the queries are the last positions of the
+        keys (a sequence, a prefill chunk, a decode step), else the dense form."""
+        tq, tk = q.shape[2], k.shape[2]
+        ends_keys = int(q_pos[-1]) == tk - 1 and (tq == 1 or int(q_pos[0]) == tk - tq) and int(k_pos[0]) == 0
+        if not ends_keys:
+            return self.soft_dense(q, k, v, g_q, g_k, q_pos, k_pos)
+        cfg = self.cfg
+        return soft_attention(q, k, v, g_q, g_k, self.lam, window=cfg.window, scale=self._scale(), gate=cfg.gate)
 
     def hard_fast(
         self, q: Tensor, k: Tensor, v: Tensor, bits_q: Tensor, bits_k: Tensor, q_pos: Tensor, cache: KVCache | None
