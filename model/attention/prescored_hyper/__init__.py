@@ -47,7 +47,16 @@ from torch import Tensor
 
 from core.errors import check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
+from model.attention.base import (
+    Attention,
+    AttnOut,
+    GpuPath,
+    KVCache,
+    LayerSpec,
+    SuiteCase,
+    VariantConfig,
+    register_attention,
+)
 
 SCORINGS = ("kmeans", "kmedian", "leverage")
 _EMPTY = -1e4  # logsumexp of a row with no key: exp(_EMPTY - real lse) is 0 in every float type
@@ -284,6 +293,11 @@ class PrescoredHyperAttention(Attention):
             ),
             SuiteCase("leverage", dict(scoring="leverage", top_k=12, min_keys=4, sample_size=2, **small), causal=False),
         ]
+
+    def gpu_paths(self) -> dict[str, GpuPath]:
+        # none: an evaluation-time approximation whose plan (pieces, block widths) is built on the host, eager on
+        # every device; it does not train, so no training forward is compiled
+        return {}
 
     # ---- plan ---------------------------------------------------------------------------
     def key_scores(self, k: Tensor, *, dense: bool = False) -> Tensor:
