@@ -79,6 +79,8 @@ def cached_block_mask(key, build):
     Build it without a data-dependent ``mask_mod`` (the cache would keep that layer's tensors alive); a caller that
     needs one takes a shallow copy and sets ``mask_mod`` on it. The oldest entry goes when the cache is full.
     """
+    if torch.compiler.is_compiling():  # traced: a dict keyed by the lengths would specialise them (a recompile each)
+        return build()
     mask = _BLOCK_MASKS.get(key)
     if mask is None:
         if len(_BLOCK_MASKS) >= MAX_CACHED_BLOCK_MASKS:
