@@ -202,6 +202,23 @@ class Attention(nn.Module):
         """Whether ``fast`` is exact and supported for this device, dtype and call."""
         return False
 
+    def gpu_paths(self) -> dict[str, GpuPath]:
+        """The calls of this module's GPU (CUDA) path that must stay compile-clean: no graph break under
+        ``torch.compile`` and no recompile per length beyond the dynamic-shape bound
+        (tests/attention/test_compile_clean.py traces each on CPU inside ``flex.gpu_paths_forced()``).
+        Default: the whole-sequence training forward. A variant adds calls its forward does not reach
+        (full: document masking), or returns ``{}`` when it has no compiled GPU path (say why)."""
+
+        def forward(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+            out = self(q, k, v, hidden=hidden, positions=positions)
+            return (out.output,) if out.aux_loss is None else (out.output, out.aux_loss)
+
+        return {"forward": forward}
+
+
+# one GPU-path call: (q, k, v, hidden, positions) -> its output tensors
+GpuPath = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]]
+
 
 @dataclass(frozen=True)
 class RegistryEntry:

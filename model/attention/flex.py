@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -17,10 +19,26 @@ def flex_available() -> bool:
     return True
 
 
+_FORCED = False  # gpu_paths_forced(): the CPU compile-clean tests take the GPU paths (FlexAttention, eager)
+
+
+@contextlib.contextmanager
+def gpu_paths_forced() -> Iterator[None]:
+    """Within it ``flex_supports`` answers as on CUDA for CPU tensors too, so a CPU test traces a variant's GPU path
+    (FlexAttention runs eagerly on CPU: ``flex_attention_fn`` compiles only CUDA calls). Tests only."""
+    global _FORCED
+    before, _FORCED = _FORCED, True
+    try:
+        yield
+    finally:
+        _FORCED = before
+
+
 def flex_supports(q: torch.Tensor) -> bool:
     """Whether a variant's compiled FlexAttention path can take these queries (CUDA, head_dim >= 16); otherwise the
-    variant takes its reference path."""
-    return q.is_cuda and q.shape[-1] >= MIN_HEAD_DIM and flex_available()
+    variant takes its reference path. A variant chooses its GPU path through this (not ``q.is_cuda``), so that
+    ``gpu_paths_forced`` reaches it."""
+    return (q.is_cuda or _FORCED) and q.shape[-1] >= MIN_HEAD_DIM and flex_available()
 
 
 _COMPILED: dict[str, object] = {}
@@ -61,6 +79,8 @@ def cached_block_mask(key, build):
     Build it without a data-dependent ``mask_mod`` (the cache would keep that layer's tensors alive); a caller that
     needs one takes a shallow copy and sets ``mask_mod`` on it. The oldest entry goes when the cache is full.
     """
+    if torch.compiler.is_compiling():  # traced: a dict keyed by the lengths would specialise them (a recompile each)
+        return build()
     mask = _BLOCK_MASKS.get(key)
     if mask is None:
         if len(_BLOCK_MASKS) >= MAX_CACHED_BLOCK_MASKS:

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
+from model.attention.base import Attention, AttnOut, GpuPath, KVCache, VariantConfig, register_attention
 from model.attention.flex import flex_attention_fn, flex_supports
 from model.attention.sdpa import sdpa_varying
 from model.documents import document_mask
@@ -82,6 +82,15 @@ class FullAttention(Attention):
         return AttnOut(
             F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         )
+
+    def gpu_paths(self) -> dict[str, GpuPath]:
+        paths = super().gpu_paths()
+
+        def documents(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, positions: Tensor) -> tuple[Tensor, ...]:
+            docs = (positions // 37).expand(q.shape[0], -1)  # packed documents of 37 tokens
+            return (self(q, k, v, hidden=hidden, positions=positions, documents=docs).output,)
+
+        return {**paths, "documents": documents} if self.supports_documents else paths
 
     def _use_flash_attn(self, q: Tensor, cache: KVCache | None) -> bool:
         if getattr(self.cfg, "backend", "auto") == "sdpa" or not _HAS_FLASH_ATTN or cache is not None:

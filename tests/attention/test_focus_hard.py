@@ -346,14 +346,24 @@ def _token_blocks(allowed, block):
     return any_allowed, all_allowed
 
 
+@pytest.mark.parametrize("n_groups,top_k", [(8, 1), (4, 2), (5, 3)])
+def test_group_layout_lists_the_members_in_group_then_position_order(n_groups, top_k):
+    """The sort-based layout (no ``nonzero``: its size is read on the host) equals ``nonzero``'s."""
+    bits = memberships("skewed", 2, 300, n_groups, top_k, seed=5)
+    member = ((bits[:, None, :] >> torch.arange(n_groups)[None, :, None]) & 1).bool()
+    nz = member.nonzero().view(2, -1, 3)
+    tok, grp = _group_layout(bits, n_groups, top_k)
+    assert torch.equal(tok, nz[..., 2]) and torch.equal(grp, nz[..., 1])
+
+
 @pytest.mark.parametrize("n_groups,top_k,kind", [(8, 1, "balanced"), (4, 2, "skewed"), (4, 1, "collapsed")])
 def test_flex_block_masks_cover_the_allowed_pairs_and_skip_the_rest(n_groups, top_k, kind):
     b, t, window = 2, 2000, 128
     bits = memberships(kind, b, t, n_groups, top_k, seed=4)
     for start in (0, 1873):  # a whole sequence, and a chunk onto a cache
         bits_q = bits[:, start:]
-        tok_q, grp_q = _group_layout(bits_q, n_groups)
-        tok_k, grp_k = _group_layout(bits, n_groups)
+        tok_q, grp_q = _group_layout(bits_q, n_groups, top_k)
+        tok_k, grp_k = _group_layout(bits, n_groups, top_k)
         pos_q, pos_k = tok_q + start, tok_k
         kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
             grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=t, full_ok=top_k == 1

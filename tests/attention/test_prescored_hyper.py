@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from model.attention import KVCache, LayerSpec, build_attention
+from model.attention import KVCache, LayerSpec, build_attention, prescored_hyper
 from model.attention import reference as ref
 from model.attention.prescored_hyper import (
     ExactPiece,
     HyperPiece,
     PrescoredHyperConfig,
     cluster_scores,
+    cluster_scores_dense,
     leverage_scores,
 )
 
@@ -164,6 +165,45 @@ def test_clustering_is_independent_per_batch_row_and_head():
                 torch.testing.assert_close(
                     batched[b, h], cluster_scores(k[b : b + 1, h : h + 1], 5, 6, median=median)[0, 0]
                 )
+
+
+@pytest.mark.parametrize("median", [False, True], ids=["kmeans", "kmedian"])
+@pytest.mark.parametrize("chunk", [1 << 20, 40])  # 40: every chunked loop runs many chunks
+def test_chunked_clustering_gives_the_dense_clusters_and_scores(median, chunk, monkeypatch):
+    """Same farthest-point start, same Lloyd assignments, same scores as the dense [T, n, D] reference: on
+    fixed seeds, float32 and float64 keys, duplicated keys, more centres than keys, no iteration."""
+    monkeypatch.setattr(prescored_hyper, "_CHUNK_ELEMS", chunk)
+    g = torch.Generator().manual_seed(11)
+    cases = [
+        (torch.randn(2, 3, 97, 8, generator=g, dtype=torch.float64), 5, 6),
+        (torch.randn(1, 2, 300, 16, generator=g), 16, 10),
+        (torch.randn(1, 1, 7, 4, generator=g, dtype=torch.float64), 16, 3),
+        (torch.randn(1, 2, 50, 8, generator=g, dtype=torch.float64), 4, 0),
+    ]
+    dup = torch.randn(1, 2, 120, 8, generator=g, dtype=torch.float64)
+    dup[:, :, :60] = dup[:, :, :1]  # half the keys one point: ties everywhere
+    cases.append((dup, 6, 5))
+    for keys, n, iters in cases:
+        fast = cluster_scores(keys, n, iters, median=median)
+        dense = cluster_scores_dense(keys, n, iters, median=median)
+        torch.testing.assert_close(fast, dense, atol=1e-10, rtol=0)
+        t = keys.shape[2]
+        assert torch.equal(fast.topk(t // 3).indices, dense.topk(t // 3).indices)
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+def test_chunked_pieces_and_the_in_place_merge_equal_the_reference(scoring, monkeypatch):
+    """Long pieces in row chunks, and the no-grad forward merging pieces in place, against the dense path."""
+    monkeypatch.setattr(prescored_hyper, "_CHUNK_ELEMS", 64)
+    q, k, v = inputs(t=96, seed=12)
+    m = module(scoring=scoring, top_k=40, sample_size=6, min_seq_len=20)
+    m.impl = "reference"
+    expected = m(q, k, v, hidden=None, positions=torch.arange(96)).output
+    m.impl = "auto"
+    with torch.no_grad():
+        torch.testing.assert_close(m(q, k, v, hidden=None, positions=torch.arange(96)).output, expected)
+    qg = q.clone().requires_grad_(True)
+    torch.testing.assert_close(m(qg, k, v, hidden=None, positions=torch.arange(96)).output, expected)
 
 
 def test_too_few_survivors_fall_back_to_plain_hyperattention():

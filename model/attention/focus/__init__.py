@@ -288,17 +288,25 @@ class FocusAttention(Attention):
         """The fastest exact hard-mode path for this call (see the module docstring)."""
         cfg, scale = self.cfg, self._scale()
         tq, tk = q.shape[2], k.shape[2]
+        lists = cache.extra.get("focus_lists") if cache is not None else None
+        if flex_supports(q) and not (tq == 1 and lists is not None and lists.length == tk):
+            # the GPU's training / prefill path: the queries are the last tq keys (the protocol), checked on the
+            # device: reading the positions on the host would synchronise every layer of every step
+            torch._assert_async(
+                (q_pos[-1] == tk - 1) & (q_pos[0] == tk - tq), "focus hard: positions must end the keys"
+            )
+            return flex_hard_attention(
+                q, k, v, bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups,
+                top_k=cfg.top_k, compiled=q.is_cuda,
+            )  # fmt: skip
         # positions are contiguous aranges ending at the last key (one read when decoding)
         ends_keys = int(q_pos[-1]) == tk - 1 and (tq == 1 or int(q_pos[0]) == tk - tq)
-        lists = cache.extra.get("focus_lists") if cache is not None else None
         if ends_keys and tq == 1 and lists is not None and lists.length == tk:
             decode = decode_hard_attention
             if q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and not torch.is_grad_enabled():
                 decode = cpu_decode_hard_attention
             return decode(q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale)
         common = dict(bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups)
-        if ends_keys and flex_supports(q):
-            return flex_hard_attention(q, k, v, **common, top_k=cfg.top_k, compiled=True)
         if ends_keys and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes():
             return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
         return hard_attention(q, k, v, q_pos=q_pos, **common)

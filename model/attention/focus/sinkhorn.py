@@ -52,8 +52,9 @@ EXP_RANGE = 300.0  # |x| up to which exp(x) and the gradients through it stay we
 def logcumsumexp(x: Tensor, dim: int) -> Tensor:
     """``torch.logcumsumexp``; on CPU for float32 and narrower, log(cumsum(exp(x))) in float64 (4x faster: the
     library's scan is not vectorised), the same to float32 rounding. Positions from the first |x| > EXP_RANGE on
-    (or a non-finite x) take ``torch.logcumsumexp``, so a position's value never depends on later ones."""
-    if x.device.type != "cpu" or x.dtype == torch.float64:
+    (or a non-finite x) take ``torch.logcumsumexp``, so a position's value never depends on later ones. Under
+    ``torch.compile`` the library op too: that check reads a flag on the host (a graph break)."""
+    if x.device.type != "cpu" or x.dtype == torch.float64 or torch.compiler.is_compiling():
         return torch.logcumsumexp(x, dim)
     wide = x.double()
     out = torch.log(torch.cumsum(torch.exp(wide), dim)).to(x.dtype)

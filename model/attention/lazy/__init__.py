@@ -244,6 +244,8 @@ def causal_block_mask(tq: int, tk: int, device: torch.device | str):
     from torch.nn.attention.flex_attention import create_block_mask
 
     key = (tq, tk, str(device))
+    if torch.compiler.is_compiling():  # traced whole: a dict keyed by the lengths would specialise them (recompiles)
+        return create_block_mask(lambda b, h, qi, kv: kv <= qi + (tk - tq), None, None, tq, tk, device=device)
     mask = _BLOCK_MASKS.pop(key, None)
     if mask is None:
         offset = torch.tensor(tk - tq, device=device)  # a tensor, so a compiled flex does not specialise on it

@@ -39,6 +39,7 @@ decoded query that block is exact attention over the kept past keys.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,16 @@ from torch import Tensor
 
 from core.errors import check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
+from model.attention.base import (
+    Attention,
+    AttnOut,
+    GpuPath,
+    KVCache,
+    LayerSpec,
+    SuiteCase,
+    VariantConfig,
+    register_attention,
+)
 
 SCORINGS = ("kmeans", "kmedian", "leverage")
 _EMPTY = -1e4  # logsumexp of a row with no key: exp(_EMPTY - real lse) is 0 in every float type
@@ -81,30 +91,118 @@ class PrescoredHyperConfig(VariantConfig):
 
 
 # ---- pre-scoring --------------------------------------------------------------------------
+_CHUNK_ELEMS = 1 << 20  # float64 elements of one chunk's temporaries (8 MiB): bounds the scoring's memory
+
+
+def _row_chunks(n_rows: int, per_row: int) -> range:
+    """Starts of row chunks holding about ``_CHUNK_ELEMS`` elements of ``per_row`` each."""
+    return range(0, n_rows, max(1, _CHUNK_ELEMS // max(per_row, 1)))
+
+
+def _sq_dist_to(x: Tensor, c: Tensor) -> Tensor:
+    """||x_t - c||^2 per row: x [N, T, D], c [N, D] -> [N, T], the exact difference form, chunked over T."""
+    step = max(1, _CHUNK_ELEMS // max(x.shape[0] * x.shape[2], 1))
+    return torch.cat([(x[:, i : i + step] - c[:, None]).square().sum(-1) for i in range(0, x.shape[1], step)], 1)
+
+
 def _farthest_point_init(x: Tensor, n: int) -> Tensor:
     """[N, T, D] -> [N, n, D]: first point, then repeatedly the point farthest from those chosen."""
     centers = [x[:, 0]]
-    dist = (x - x[:, :1]).square().sum(-1)
+    dist = _sq_dist_to(x, x[:, 0])
     for _ in range(1, n):
         nxt = x.gather(1, dist.argmax(-1)[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
         centers.append(nxt)
-        dist = torch.minimum(dist, (x - nxt[:, None]).square().sum(-1))
+        dist = torch.minimum(dist, _sq_dist_to(x, nxt))
     return torch.stack(centers, 1)
 
 
+def _nearest_l2(x: Tensor, c: Tensor) -> Tensor:
+    """Nearest centre of each row in squared L2: [N, T] indices. ||c||^2 - 2 x.c by one matmul ([N, T, n], not
+    the [N, T, n, D] differences); ||x||^2 is the same for every centre of a row, so it is left out."""
+    return (c.square().sum(-1)[:, None, :] - 2.0 * (x @ c.transpose(1, 2))).argmin(-1)
+
+
+def _nearest_l1(x: Tensor, c: Tensor) -> Tensor:
+    """Nearest centre of each row in L1: [N, T] indices, exact differences chunked over T."""
+    n, t, d = x.shape
+    k = c.shape[1]
+    return torch.cat(
+        [
+            (x[:, i : i + step, None, :] - c[:, None]).abs().sum(-1).argmin(-1)
+            for step in [max(1, _CHUNK_ELEMS // max(n * k * d, 1))]
+            for i in range(0, t, step)
+        ],
+        1,
+    )
+
+
+def _cluster_medians(x: Tensor, sorted_x: Tensor, order: Tensor, assign: Tensor, count: Tensor) -> Tensor:
+    """Coordinate-wise lower median of each cluster's members: [N, n, D] (NaN where a cluster is empty), as
+    ``nanmedian`` gives it, from the keys sorted once per coordinate: a stable sort of their cluster ids lays
+    each cluster's values out in ascending order, and the median is its ((count - 1) // 2)-th."""
+    cid = assign.gather(1, order.flatten(1)).view_as(order)  # [N, T, D] cluster of each sorted value
+    by_cluster = sorted_x.gather(1, torch.sort(cid, dim=1, stable=True).indices)
+    start = torch.cumsum(count, 1) - count  # [N, n] first slot of each cluster
+    pick = (start + (count - 1).clamp(min=0) // 2).long()
+    med = by_cluster.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]).clamp(max=x.shape[1] - 1))
+    return torch.where(count[..., None] > 0, med, torch.nan)
+
+
 def cluster_scores(keys: Tensor, n_clusters: int, iters: int, *, median: bool = False) -> Tensor:
-    """k-means (or k-median) closeness scores per key: keys [B, H, T, D] -> [B, H, T] (higher = keep)."""
+    """k-means (or k-median) closeness scores per key: keys [B, H, T, D] -> [B, H, T] (higher = keep).
+
+    ``cluster_scores_dense`` is the reference; this holds no [T, n_clusters, D] differences: assignment by a
+    matmul (k-means) or chunked exact L1 (k-median), centroid sums by ``scatter_add``, medians by sorting."""
+    b, h, t, d = keys.shape
+    flat = keys.reshape(b * h, t, d)
+    x = torch.empty(b * h, t, d, dtype=torch.float64, device=keys.device)
+    step = _row_chunks(t, b * h * d).step
+    for i in range(0, t, step):  # normalised chunk by chunk: no whole float64 copy beside x
+        x[:, i : i + step] = torch.nn.functional.normalize(flat[:, i : i + step].to(torch.float64), dim=-1)
+    n = min(n_clusters, t)
+    centers = _farthest_point_init(x, n)
+    nearest = _nearest_l1 if median else _nearest_l2
+    if median and iters > 0:
+        sorted_x, order = x.sort(dim=1)  # once: the keys do not move, only their clusters do
+    for _ in range(iters):
+        assign = nearest(x, centers)  # [N, T]
+        count = torch.zeros(b * h, n, dtype=x.dtype, device=x.device).scatter_add_(
+            1, assign, torch.ones_like(assign, dtype=x.dtype)
+        )
+        if median:
+            new = _cluster_medians(x, sorted_x, order, assign, count)
+        else:
+            sums = torch.zeros_like(centers).scatter_add_(1, assign[..., None].expand(-1, -1, d), x)
+            new = sums / count.clamp(min=1)[..., None]
+        centers = torch.where(count[..., None] > 0, new, centers)  # an empty cluster keeps its centre
+    # the score is the exact distance to the nearest centre (the reference's value, not the matmul form's)
+    dist = []
+    for i in range(0, t, step):
+        xi = x[:, i : i + step]
+        diff = xi - centers.gather(1, nearest(xi, centers)[..., None].expand(-1, -1, d))
+        dist.append(diff.abs().sum(-1) if median else diff.square().sum(-1))
+    return -torch.cat(dist, 1).reshape(b, h, t)
+
+
+def cluster_scores_dense(keys: Tensor, n_clusters: int, iters: int, *, median: bool = False) -> Tensor:
+    """Reference of ``cluster_scores``: [N, T, n, D] differences, one-hot centroid updates, masked ``nanmedian``."""
     b, h, t, d = keys.shape
     x = torch.nn.functional.normalize(keys.reshape(b * h, t, d).to(torch.float64), dim=-1)
     n = min(n_clusters, t)
-    centers = _farthest_point_init(x, n)
+    centers = [x[:, 0]]
+    first = (x - x[:, :1]).square().sum(-1)
+    for _ in range(1, n):
+        nxt = x.gather(1, first.argmax(-1)[:, None, None].expand(-1, 1, d))[:, 0]
+        centers.append(nxt)
+        first = torch.minimum(first, (x - nxt[:, None]).square().sum(-1))
+    c0 = torch.stack(centers, 1)
 
     def distances(c: Tensor) -> Tensor:  # [N, T, n]
         diff = x[:, :, None, :] - c[:, None, :, :]
         return diff.abs().sum(-1) if median else diff.square().sum(-1)
 
     for _ in range(iters):
-        assign = distances(centers).argmin(-1)  # [N, T]
+        assign = distances(c0).argmin(-1)  # [N, T]
         onehot = torch.nn.functional.one_hot(assign, n).to(x.dtype)  # [N, T, n]
         count = onehot.sum(1)  # [N, n]
         if median:
@@ -113,8 +211,8 @@ def cluster_scores(keys: Tensor, n_clusters: int, iters: int, *, median: bool = 
             new = vals.nanmedian(dim=2).values
         else:
             new = onehot.transpose(1, 2) @ x / count.clamp(min=1)[..., None]
-        centers = torch.where(count[..., None] > 0, new, centers)  # an empty cluster keeps its centre
-    return -distances(centers).min(-1).values.reshape(b, h, t)
+        c0 = torch.where(count[..., None] > 0, new, c0)
+    return -distances(c0).min(-1).values.reshape(b, h, t)
 
 
 def leverage_scores(keys: Tensor, eps: float) -> Tensor:
@@ -123,6 +221,18 @@ def leverage_scores(keys: Tensor, eps: float) -> Tensor:
     g = k.transpose(-1, -2) @ k + eps * torch.eye(k.shape[-1], dtype=k.dtype, device=k.device)
     kg = torch.linalg.solve(g, k.transpose(-1, -2)).transpose(-1, -2)  # K G^-1 (G symmetric)
     return (kg * k).sum(-1)
+
+
+def _in_row_chunks(
+    fn: Callable[[int, int], tuple[Tensor, Tensor]], n: int, per_row: int, dim: int = 2
+) -> tuple[Tensor, Tensor]:
+    """``fn(i, j)`` -> (out, lse) of rows [i, j) along ``dim``, over chunks of about ``_CHUNK_ELEMS`` score
+    entries, concatenated: the scores of a long piece never exist at once (one call when it fits)."""
+    step = max(1, _CHUNK_ELEMS // max(per_row, 1))
+    if step >= n:
+        return fn(0, n)
+    parts = [fn(i, min(n, i + step)) for i in range(0, n, step)]
+    return torch.cat([o for o, _ in parts], dim), torch.cat([l_ for _, l_ in parts], dim)
 
 
 # ---- the plan: pieces of one weighted softmax ------------------------------------------------
@@ -184,21 +294,28 @@ class PrescoredHyperAttention(Attention):
             SuiteCase("leverage", dict(scoring="leverage", top_k=12, min_keys=4, sample_size=2, **small), causal=False),
         ]
 
+    def gpu_paths(self) -> dict[str, GpuPath]:
+        # none: an evaluation-time approximation whose plan (pieces, block widths) is built on the host, eager on
+        # every device; it does not train, so no training forward is compiled
+        return {}
+
     # ---- plan ---------------------------------------------------------------------------
-    def key_scores(self, k: Tensor) -> Tensor:
+    def key_scores(self, k: Tensor, *, dense: bool = False) -> Tensor:
+        """Scores of the keys; ``dense`` uses the clustering's reference (``cluster_scores_dense``)."""
         cfg = self.cfg
         if cfg.scoring == "leverage":
             return leverage_scores(k, cfg.leverage_eps)
-        return cluster_scores(k, cfg.n_clusters, cfg.kmeans_iters, median=cfg.scoring == "kmedian")
+        cluster = cluster_scores_dense if dense else cluster_scores
+        return cluster(k, cfg.n_clusters, cfg.kmeans_iters, median=cfg.scoring == "kmedian")
 
     @torch.no_grad()
-    def kept_keys(self, k: Tensor) -> Tensor:
+    def kept_keys(self, k: Tensor, *, dense: bool = False) -> Tensor:
         """[B, Hkv, K] positions of the kept keys, ascending (all keys when nothing is dropped or on fallback)."""
         b, h, t, _ = k.shape
         keep = min(self.cfg.top_k, t)
         if keep >= t or keep == 0 or keep < self.cfg.min_keys:  # nothing to drop, or fallback
             return torch.arange(t, device=k.device).expand(b, h, t).contiguous()
-        return self.key_scores(k).topk(keep, dim=-1).indices.sort(-1).values.contiguous()
+        return self.key_scores(k, dense=dense).topk(keep, dim=-1).indices.sort(-1).values.contiguous()
 
     def lsh_rank(self, x: Tensor) -> Tensor:
         """Angular LSH bucket of each row, as its rank in Gray-code order: [B, H, T, D] -> [B, H, T]."""
@@ -207,10 +324,10 @@ class PrescoredHyperAttention(Attention):
         return self.gray_rank[code]
 
     @torch.no_grad()
-    def plan(self, q: Tensor, k: Tensor, q_pos: Tensor) -> list[ExactPiece | HyperPiece]:
+    def plan(self, q: Tensor, k: Tensor, q_pos: Tensor, *, dense: bool = False) -> list[ExactPiece | HyperPiece]:
         tq = q.shape[2]
         p0 = int(q_pos[0])
-        kept = self.kept_keys(k)
+        kept = self.kept_keys(k, dense=dense)
         qrank, krank = self.lsh_rank(q), self.lsh_rank(k)
         pieces: list[ExactPiece | HyperPiece] = []
         if p0 > 0:  # a cache's past: one non-causal block for every new query
@@ -301,7 +418,7 @@ class PrescoredHyperAttention(Attention):
         return lw
 
     def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
-        pieces = self.plan(q, k, q_pos)
+        pieces = self.plan(q, k, q_pos, dense=True)
         b, hq, tq, _ = q.shape
         lw = self.log_weights(pieces, b, hq, tq, k.shape[2], q_pos, q.device)
         s = ref.scores(q, k, self.scale)
@@ -323,18 +440,20 @@ class PrescoredHyperAttention(Attention):
         dt = torch.promote_types(q.dtype, torch.float32)
         out = q.new_zeros(b, hq, tq, d, dtype=dt)
         lse = q.new_full((b, hq, tq), -math.inf, dtype=dt)
+        if not (torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v))):
+            # no autograd: merge each piece into a running (out, lse) in place as it comes, holding one piece's
+            # output at a time (not every piece's, nor a new [B, H, T, D] per piece)
+            for piece in pieces:
+                o, l_ = self._piece(q, k, v, q_pos, piece)
+                cur = lse[:, :, piece.qs : piece.qe]
+                new = torch.logaddexp(cur, l_)
+                dst = out[:, :, piece.qs : piece.qe]
+                dst.mul_(torch.exp(cur - new)[..., None]).add_(o * torch.exp(l_ - new)[..., None])
+                cur.copy_(new)
+            return AttnOut(out.to(q.dtype))
         outs, lses = [], []  # per piece, merged per query row below (no in-place writes: autograd)
         for piece in pieces:
-            if isinstance(piece, ExactPiece):
-                o, l_ = self._exact(
-                    q[:, :, piece.qs : piece.qe],
-                    k[:, :, piece.klo : piece.khi],
-                    v[:, :, piece.klo : piece.khi],
-                    q_pos[piece.qs : piece.qe],
-                    piece.klo,
-                )
-            else:
-                o, l_ = self._hyper(q, k, v, piece)
+            o, l_ = self._piece(q, k, v, q_pos, piece)
             outs.append((piece.qs, piece.qe, o))
             lses.append(l_)
         # merge: lse_i = logsumexp over pieces; out_i = sum_p o_p exp(lse_p - lse_i)
@@ -345,6 +464,20 @@ class PrescoredHyperAttention(Attention):
             w = torch.exp(l_ - total[:, :, qs:qe])[..., None]
             out = torch.cat([out[:, :, :qs], out[:, :, qs:qe] + o * w, out[:, :, qe:]], dim=2)
         return AttnOut(out.to(q.dtype))
+
+    def _piece(
+        self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, piece: ExactPiece | HyperPiece
+    ) -> tuple[Tensor, Tensor]:
+        """Normalised output and logsumexp of one piece's rows."""
+        if isinstance(piece, HyperPiece):
+            return self._hyper(q, k, v, piece)
+        return self._exact(
+            q[:, :, piece.qs : piece.qe],
+            k[:, :, piece.klo : piece.khi],
+            v[:, :, piece.klo : piece.khi],
+            q_pos[piece.qs : piece.qe],
+            piece.klo,
+        )
 
     def _softmax(self, s: Tensor, mask: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Normalised output and logsumexp of masked scores. An empty row gives zeros and a very
@@ -362,10 +495,15 @@ class PrescoredHyperAttention(Attention):
 
     def _exact(self, q, k, v, q_pos, klo) -> tuple[Tensor, Tensor]:
         dt = torch.promote_types(q.dtype, torch.float32)
-        hq = q.shape[1]
-        s = ref.scores(q, k, self.scale)
-        mask = ref.causal_mask(q_pos.to(q.device), torch.arange(klo, klo + k.shape[2], device=q.device))
-        return self._softmax(s, mask, ref.expand_kv(v, hq).to(dt))
+        b, hq, tq, _ = q.shape
+        ve = ref.expand_kv(v, hq).to(dt)
+        kpos = torch.arange(klo, klo + k.shape[2], device=q.device)
+
+        def rows(i: int, j: int) -> tuple[Tensor, Tensor]:
+            s = ref.scores(q[:, :, i:j], k, self.scale)
+            return self._softmax(s, ref.causal_mask(q_pos[i:j].to(q.device), kpos), ve)
+
+        return _in_row_chunks(rows, tq, b * hq * k.shape[2])
 
     def _hyper(self, q, k, v, piece: HyperPiece) -> tuple[Tensor, Tensor]:
         b, hq, _, d = q.shape
@@ -387,9 +525,14 @@ class PrescoredHyperAttention(Attention):
         ).reshape(slot.shape)
         kb = ref.take_rows(k, pos).repeat_interleave(rep, dim=1).to(dt)  # [B, H, nb, w, D]
         vb = ref.take_rows(v, pos).repeat_interleave(rep, dim=1).to(dt)
-        s = torch.einsum("bhnqd,bhnwd->bhnqw", qsorted, kb) * self.scale
-        mask = qvalid[None, None, :, :, None] & bvalid.repeat_interleave(rep, dim=1)[:, :, :, None, :]
-        ob, lb = self._softmax(s, mask, vb)
+        bvalid_h = bvalid.repeat_interleave(rep, dim=1)
+
+        def blocks(i: int, j: int) -> tuple[Tensor, Tensor]:  # LSH blocks i..j-1
+            s = torch.einsum("bhnqd,bhnwd->bhnqw", qsorted[:, :, i:j], kb[:, :, i:j]) * self.scale
+            mask = qvalid[None, None, i:j, :, None] & bvalid_h[:, :, i:j, None, :]
+            return self._softmax(s, mask, vb[:, :, i:j])
+
+        ob, lb = _in_row_chunks(blocks, nb, b * hq * bq * width, dim=2)
         ob, lb = ob.reshape(b, hq, nb * bq, d)[:, :, :nq], lb.reshape(b, hq, nb * bq)[:, :, :nq]
         inv = torch.argsort(piece.qorder, dim=-1)  # back to position order
         ob, lb = ob.gather(2, inv[..., None].expand(-1, -1, -1, d)), lb.gather(2, inv)
@@ -401,9 +544,14 @@ class PrescoredHyperAttention(Attention):
         ks = ref.expand_kv(k, hq).gather(2, cols[..., None].expand(-1, -1, -1, d)).to(dt)
         vs = ref.expand_kv(v, hq).gather(2, cols[..., None].expand(-1, -1, -1, d)).to(dt)
         sblock = piece.kblock.repeat_interleave(rep, dim=1).gather(-1, piece.samples)
-        rs = torch.matmul(qp, ks.transpose(-1, -2)) * self.scale + piece.log_w.to(dt)[..., None, None]
-        rmask = piece.svalid[:, :, None, :] & (sblock[:, :, None, :] != piece.qblock[..., None])
-        orr, lr = self._softmax(rs, rmask, vs)
+        log_w = piece.log_w.to(dt)[..., None, None]
+
+        def rows(i: int, j: int) -> tuple[Tensor, Tensor]:
+            rs = torch.matmul(qp[:, :, i:j], ks.transpose(-1, -2)) * self.scale + log_w
+            rmask = piece.svalid[:, :, None, :] & (sblock[:, :, None, :] != piece.qblock[:, :, i:j, None])
+            return self._softmax(rs, rmask, vs)
+
+        orr, lr = _in_row_chunks(rows, nq, b * hq * ks.shape[2])
         lse = torch.logaddexp(lb, lr)
         o = ob * torch.exp(lb - lse)[..., None] + orr * torch.exp(lr - lse)[..., None]
         return o, lse

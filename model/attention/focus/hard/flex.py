@@ -17,13 +17,14 @@ from model.attention.focus.hard.rows import NEG_INF
 FLEX_BLOCK = 128
 
 
-def _group_layout(bits: Tensor, n_groups: int) -> tuple[Tensor, Tensor]:
-    """Slots sorted by (group, position): (token index [B, N], group [B, N]), N = top_k * T for every sequence."""
+def _group_layout(bits: Tensor, n_groups: int, top_k: int) -> tuple[Tensor, Tensor]:
+    """Slots sorted by (group, position): (token index [B, N], group [B, N]), N = top_k * T for every sequence
+    (every token is in exactly top_k groups): a stable sort puts the members first, in (group, position) order,
+    with no ``nonzero`` (its size would be read on the host)."""
+    t = bits.shape[1]
     member = ((bits[:, None, :] >> torch.arange(n_groups, device=bits.device)[None, :, None]) & 1).bool()  # [B, K, T]
-    nz = member.nonzero()  # sorted by (b, c, t)
-    n = nz.shape[0] // bits.shape[0]
-    nz = nz.view(bits.shape[0], n, 3)
-    return nz[..., 2], nz[..., 1]
+    slot = torch.argsort((~member).flatten(1).to(torch.uint8), dim=1, stable=True)[:, : top_k * t]  # c * T + t
+    return slot % t, slot // t
 
 
 def group_block_mask_tensors(
@@ -131,8 +132,8 @@ def flex_hard_attention(
     start = tk - tq
     gqa = k.shape[1] != h
     # ---- same group, lowest shared group, causal on original positions, over group-sorted slots ----
-    tok_q, grp_q = _group_layout(bits_q, n_groups)
-    tok_k, grp_k = _group_layout(bits_k, n_groups)
+    tok_q, grp_q = _group_layout(bits_q, n_groups, top_k)
+    tok_k, grp_k = _group_layout(bits_k, n_groups, top_k)
     pos_q, pos_k = tok_q + start, tok_k
     sbits_q, sbits_k = bits_q.gather(1, tok_q), bits_k.gather(1, tok_k)
     lower_q = (torch.ones_like(grp_q) << grp_q) - 1  # groups below the slot's group
