@@ -48,6 +48,7 @@ from torch import Tensor
 
 from model.attention import reference as ref
 from model.attention.base import AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.dga.blockwise import KERNEL_DTYPES, CausalPlan, Plan, SequencePlan, parts_attention
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
@@ -223,11 +224,67 @@ class DynamicGroupAttention(GroupedKVCache):
         if flex_supports(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})
-        if self.cfg.selection == "causal":
+        if self.impl != "gathered" and self._parts_apply(q, q_pos):
+            ck, cv, plan = self._parts_inputs(comp, ck, cv, avail, q.shape[2], q.dtype)
+            out = parts_attention(q, k, v, ck, cv, plan, self.scale)
+            counts = self._parts_counts(comp, avail, q_pos) if self.collect_stats else None
+        elif self.cfg.selection == "causal":
             out, counts = self._attend_window(q, q_pos, k, v, ck, cv, avail)
         else:
             out, counts = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
         return AttnOut(out, stats=self._stats(counts, q_pos) if self.collect_stats else {})
+
+    # ---- parts: the memory-linear form on the fused CPU kernel (blockwise.py) ------------
+    def _parts_apply(self, q: Tensor, q_pos: Tensor) -> bool:
+        """The parts form takes a whole sequence from position 0 (training, uncached prefill) in a kernel dtype
+        on the CPU; other calls (and ``impl = "gathered"``, kept as a second reference) gather per query block."""
+        t = q.shape[2]
+        return (
+            q.device.type == "cpu"
+            and q.dtype in KERNEL_DTYPES
+            and int(q_pos[0]) == 0
+            and int(q_pos[-1]) == t - 1
+        )
+
+    def _parts_inputs(
+        self, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, t: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor, Plan]:
+        """The compressed key list in the order the plan reads it, and the plan."""
+        if self.cfg.selection == "causal":
+            return ck, cv, CausalPlan(t, self.cfg.chunk_size, self._entries_per_chunk())
+        b, h = ck.shape[:2]
+        order = avail.argsort(-1)  # distinct positions: each entry visible from its own
+        idx = order[..., None].expand(-1, -1, -1, ck.shape[-1])
+        ck, cv, avail = ck.gather(2, idx), cv.gather(2, idx), avail.gather(-1, order)
+        focal, group_last = self._sequence_flags(comp, t)
+        members = comp.members.reshape(b, h, -1, self.cfg.group_size)
+        plan = SequencePlan(avail, focal, group_last, members[..., 0], members[..., -1], dtype)
+        return ck, cv, plan
+
+    def _sequence_flags(self, comp: Compressed, t: int) -> tuple[Tensor, Tensor]:
+        """Focal flags [B, H, T] and each non-focal token's group's last member [B, H, T] (-1 for focal tokens)."""
+        b, h = comp.focal_pos.shape[:2]
+        dev = comp.focal_pos.device
+        focal = torch.zeros(b, h, t, dtype=torch.bool, device=dev).scatter_(-1, comp.focal_pos.reshape(b, h, -1), True)
+        group_last = torch.full((b, h, t), -1, dtype=torch.long, device=dev)
+        last = comp.members[..., -1:].expand_as(comp.members)
+        group_last.scatter_(-1, comp.members.reshape(b, h, -1), last.reshape(b, h, -1))
+        return focal, group_last
+
+    def _parts_counts(self, comp: Compressed, avail: Tensor, q_pos: Tensor) -> Tensor:
+        """Keys each query sees (statistics), from the visibility rules without a mask."""
+        b, h = comp.focal_pos.shape[:2]
+        p = q_pos.to(avail.device)
+        if self.cfg.selection == "causal":
+            c = self.cfg.chunk_size
+            lo = torch.clamp((p // c - 1) * c, min=0)
+            seen = torch.clamp(p // c - 1, min=0) * self._entries_per_chunk()
+            return (seen + p - lo + 1).expand(b, h, -1)
+        m = self.cfg.group_size
+        entries = torch.searchsorted(avail.sort(-1).values, p.expand(b, h, -1).contiguous(), right=True)
+        nonfocal = comp.members.reshape(b, h, -1).contiguous()
+        open_members = torch.searchsorted(nonfocal, p.expand(b, h, -1).contiguous(), right=True) % m
+        return entries + open_members
 
     def _attend(
         self, qb: Tensor, qpos_b: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, lk: Tensor, lv: Tensor, lmask: Tensor
