@@ -251,7 +251,7 @@ class DynamicGroupAttention(GroupedKVCache):
     ) -> tuple[Tensor, Tensor, Plan]:
         """The compressed key list in the order the plan reads it, and the plan."""
         if self.cfg.selection == "causal":
-            return ck, cv, CausalPlan(t, self.cfg.chunk_size, self._entries_per_chunk())
+            return ck, cv, CausalPlan(t, self.cfg.chunk_size, self._entries_per_chunk(), dtype)
         b, h = ck.shape[:2]
         order = avail.argsort(-1)  # distinct positions: each entry visible from its own
         idx = order[..., None].expand(-1, -1, -1, ck.shape[-1])

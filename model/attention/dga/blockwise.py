@@ -30,6 +30,7 @@ _BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 NEG_INF = float("-inf")
 KERNEL_DTYPES = (torch.float32, torch.float64)  # the merge runs in the kernel's output dtype
 SEQUENCE_BLOCK = 256  # query rows per part of the sequence form
+COMPRESSED_ROWS = 1024  # query rows per compressed part of the causal form
 
 
 @dataclass(frozen=True)
@@ -63,34 +64,52 @@ class Plan:
     """The parts of one call; ``parts`` is a generator, run in the forward and again in the backward (masks are
     built per part and dropped, so they never add up)."""
 
-    def parts(self) -> Iterator[Part]:
+    def parts(self, device: torch.device | None = None) -> Iterator[Part]:
         raise NotImplementedError
 
 
 class CausalPlan(Plan):
     """Causal form: T queries from position 0, chunks of C, E compressed entries per chunk (chunk u's visible from
-    chunk u + 2 on, stored chunk after chunk)."""
+    chunk u + 2 on, stored chunk after chunk).
 
-    def __init__(self, t: int, chunk: int, per_chunk: int):
-        self.t, self.c, self.e = t, chunk, per_chunk
+    The compressed parts go by groups of G = COMPRESSED_ROWS / C query chunks (few kernel calls: on a loaded machine
+    every parallel call waits on the slowest thread): the entries every chunk of the group sees (chunks <= j0 - 2)
+    unmasked, then the staircase of the G - 1 chunks after them with one mask shared by all groups. The raw parts
+    (own chunk causal, previous chunk whole) are one call each for all whole chunks."""
 
-    def parts(self) -> Iterator[Part]:
+    def __init__(self, t: int, chunk: int, per_chunk: int, dtype: torch.dtype):
+        self.t, self.c, self.e, self.dtype = t, chunk, per_chunk, dtype
+        self.group = max(1, COMPRESSED_ROWS // chunk)
+        self._masks: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
+
+    def _staircase(self, rows: int, entries: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        key = (rows, entries)
+        if key not in self._masks:
+            u = torch.arange(entries, device=device) // self.e  # entry chunk, from the group's first chunk - 1
+            j = torch.arange(rows, device=device) // self.c  # query chunk, from the group's first chunk
+            allowed = u[None, :] <= j[:, None] - 1
+            self._masks[key] = (additive(allowed, self.dtype), allowed.any(-1))
+        return self._masks[key]
+
+    def parts(self, device: torch.device | None = None) -> Iterator[Part]:
         t, c, e = self.t, self.c, self.e
-        nf = t // c
+        nf, n_chunks = t // c, -(-t // c)
         tf = nf * c
+        for j0 in range(2, n_chunks, self.group):  # compressed chunks <= j - 2 for query chunk j
+            j1 = min(j0 + self.group, n_chunks)
+            rows = Span(j0 * c, min(j1 * c, t))
+            yield Part(rows, Span(0, e * (j0 - 1)), compressed=True, first=True)
+            if j1 - j0 > 1:
+                mask, nonempty = self._staircase(rows.hi - rows.lo, e * (j1 - j0 - 1), device or torch.device("cpu"))
+                yield Part(rows, Span(e * (j0 - 1), e * (j1 - 2)), compressed=True, mask=mask, nonempty=nonempty)
         if nf >= 1:  # own chunk, causal, every whole chunk in one call
-            yield Part(Span(0, tf, c), Span(0, tf, c), causal=True, first=True)
+            yield Part(Span(0, tf, c), Span(0, tf, c), causal=True)
         if nf >= 2:  # the previous chunk, whole
             yield Part(Span(c, tf, c), Span(0, tf - c, c))
-        for j in range(2, nf):  # compressed chunks <= j - 2: a prefix of the entries
-            yield Part(Span(j * c, (j + 1) * c), Span(0, e * (j - 1)), compressed=True)
         if tf < t:  # a partial last chunk
-            rows = Span(tf, t)
-            yield Part(rows, Span(tf, t), causal=True, first=True)
+            yield Part(Span(tf, t), Span(tf, t), causal=True)
             if nf >= 1:
-                yield Part(rows, Span(tf - c, tf))
-            if nf >= 2:
-                yield Part(rows, Span(0, e * (nf - 1)), compressed=True)
+                yield Part(Span(tf, t), Span(tf - c, tf))
 
 
 def additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -134,7 +153,7 @@ class SequencePlan(Plan):
         r_lo = torch.minimum(r_lo, ends)
         self.bounds = torch.stack([starts, ends, n_lo, n_hi, r_lo], 1).tolist()  # one host sync per layer
 
-    def parts(self) -> Iterator[Part]:
+    def parts(self, device: torch.device | None = None) -> Iterator[Part]:
         dev = self.avail.device
         for a, e, n_lo, n_hi, r_lo in self.bounds:
             rows = Span(a, e)
@@ -172,7 +191,7 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
 def _forward(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float):
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], NEG_INF, dtype=q.dtype, device=q.device)
-    for p in plan.parts():
+    for p in plan.parts(q.device):
         ks, vs = (ck, cv) if p.compressed else (k, v)
         o, lse_p = _FWD(p.q.take(q), p.k.take(ks), p.k.take(vs), 0.0, p.causal, attn_mask=p.mask, scale=scale)
         if p.nonempty is not None:
@@ -188,7 +207,7 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan
 def _backward(dout: Tensor, q, k, v, ck, cv, out, lse, plan: Plan, scale: float):
     dq, dk, dv, dck, dcv = (torch.zeros_like(x) for x in (q, k, v, ck, cv))
     dout = dout.contiguous()
-    for p in plan.parts():
+    for p in plan.parts(q.device):
         ks, vs, gk_to, gv_to = (ck, cv, dck, dcv) if p.compressed else (k, v, dk, dv)
         gq, gk, gv = _BWD(
             p.q.take(dout),
