@@ -55,6 +55,9 @@ from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
 
 
+IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
+
+
 @register_attention("dga", DGAConfig)
 class DynamicGroupAttention(GroupedKVCache):
     description = "Dynamic Group Attention, causal chunked selection (docs/dga.md)"
@@ -108,13 +111,25 @@ class DynamicGroupAttention(GroupedKVCache):
         dev = k.device
         starts = starts.to(dev)
         with torch.no_grad():  # the selection is a discrete decision: no gradient flows through it
-            wpos = starts[:, None] + torch.arange(window, device=dev)  # [U, W]
-            spos = starts[:, None] + offsets.to(dev)  # [U, S] (same offsets for every unit, or [U, S])
-            qs = ref.take_rows(q, (spos - q_base).expand(b, h, -1, -1)).to(dt)
-            kw = ref.take_rows(k, (wpos - k_base).expand(b, h, -1, -1)).to(dt)
-            mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
-            a = ref.masked_softmax(torch.matmul(qs, kw.transpose(-1, -2)) * self.scale, mask)
-            importance = (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]  # [B, H, U, n]
+            # units in blocks: the sampled queries' scores over each unit's window stay a fraction of the output
+            step = max(1, IMPORTANCE_ELEMENTS // max(1, b * h * offsets.shape[-1] * window))
+            importance = torch.cat(
+                [
+                    self._importance(
+                        q,
+                        k,
+                        starts[i : i + step],
+                        offsets if offsets.shape[0] == 1 else offsets[i : i + step],
+                        window,
+                        n,
+                        q_base,
+                        k_base,
+                        dt,
+                    )
+                    for i in range(0, max(u, 1), step)  # u = 0: one empty block
+                ],
+                dim=2,
+            )  # [B, H, U, n]
             focal = torch.zeros_like(importance, dtype=torch.bool).scatter_(
                 -1, importance.topk(r, dim=-1).indices, True
             )
@@ -124,12 +139,40 @@ class DynamicGroupAttention(GroupedKVCache):
         members = order[..., : n - r].reshape(b, h, u, g, m)
         km, vm = ref.take_rows(k, members - k_base), ref.take_rows(v, members - k_base)  # [B, H, U, g, m, D]
         q_last = ref.take_rows(q, members[..., -1] - q_base)  # [B, H, U, g, D]
-        p = torch.softmax((q_last.to(dt)[..., None, :] * km.to(dt)).sum(-1) * self.scale, dim=-1)  # [B, H, U, g, m]
-        agg_k = (p[..., None] * km.to(dt)).sum(-2).to(k.dtype)
-        agg_v = (p[..., None] * vm.to(dt)).sum(-2).to(v.dtype)
+        # products as matmuls: no [B, H, U, g, m, D] temporary
+        p = torch.softmax(torch.matmul(km.to(dt), q_last.to(dt)[..., None])[..., 0] * self.scale, dim=-1)
+        agg_k = torch.matmul(p[..., None, :], km.to(dt))[..., 0, :].to(k.dtype)
+        agg_v = torch.matmul(p[..., None, :], vm.to(dt))[..., 0, :].to(v.dtype)
         return Compressed(
             focal_pos, members, ref.take_rows(k, focal_pos - k_base), ref.take_rows(v, focal_pos - k_base), agg_k, agg_v
         )
+
+    def _importance(
+        self,
+        q: Tensor,
+        k: Tensor,
+        starts: Tensor,
+        offsets: Tensor,
+        window: int,
+        n: int,
+        q_base: int,
+        k_base: int,
+        dt: torch.dtype,
+    ) -> Tensor:
+        """Eq. 16-17 for the units at ``starts``: the mean weight each of a unit's first ``n`` keys gets from the
+        sampled queries ``starts + offsets``, softmax over the ``window`` keys from the unit start, causally masked.
+        [B, H, U, n]."""
+        b, h = k.shape[:2]
+        wpos = starts[:, None] + torch.arange(window, device=k.device)  # [U, W]
+        spos = starts[:, None] + offsets.to(k.device)  # [U, S]
+        qs = ref.take_rows(q, (spos - q_base).expand(b, h, -1, -1)).to(dt)
+        kw = ref.take_rows(k, (wpos - k_base).expand(b, h, -1, -1)).to(dt)
+        mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
+        s = torch.matmul(qs, kw.transpose(-1, -2)).mul_(self.scale).masked_fill_(~mask, float("-inf"))
+        del kw
+        a = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row with no key gives zeros
+        del s
+        return (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]
 
     def _causal_units(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C)."""
@@ -239,12 +282,7 @@ class DynamicGroupAttention(GroupedKVCache):
         """The parts form takes a whole sequence from position 0 (training, uncached prefill) in a kernel dtype
         on the CPU; other calls (and ``impl = "gathered"``, kept as a second reference) gather per query block."""
         t = q.shape[2]
-        return (
-            q.device.type == "cpu"
-            and q.dtype in KERNEL_DTYPES
-            and int(q_pos[0]) == 0
-            and int(q_pos[-1]) == t - 1
-        )
+        return q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and int(q_pos[0]) == 0 and int(q_pos[-1]) == t - 1
 
     def _parts_inputs(
         self, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, t: int, dtype: torch.dtype
