@@ -216,7 +216,7 @@ def test_parts_form_equals_the_dense_reference(options, t, impl, dtype, monkeypa
         results.append([x.double() for x in (out.output, q.grad, k.grad, v.grad, out.stats["key_ratio"])])
     for name, want, got in zip(("output", "dq", "dk", "dv", "key_ratio"), *results):
         atol = 1e-10 if dtype == torch.float64 else 1e-5 * float(want.abs().max())
-        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
     assert bool(calls) == (impl == "auto"), "the CPU training forward takes the parts form"
 
 

@@ -23,9 +23,11 @@ Two selection modes (docs/dga.md has the full design):
   uncached forward exactly.
 
 Paths. ``reference``: dense masked softmax over ``[all raw keys; all aggregates]`` (T x (T+G)).
-``fast``: one softmax over the gathered ``[focal; aggregated; complementary/window]`` keys, so
-the work is about L (r + (L-r)/m + window) instead of L^2; on CUDA (no cache) a FlexAttention
-``mask_mod`` over ``[compressed; raw]`` keys whose block mask skips the invisible raw blocks.
+``fast`` on the CPU for a whole sequence (training, uncached prefill): the parts form of ``blockwise.py``, kernel
+calls over ranges of one compressed key list per layer and of the raw keys, merged by logsumexp: O(T D) memory.
+Cached calls (and ``impl = "gathered"``): one softmax over the gathered ``[focal; aggregated;
+complementary/window]`` keys, so the work is about L (r + (L-r)/m + window) instead of L^2; on CUDA (no cache) a
+FlexAttention ``mask_mod`` over ``[compressed; raw]`` keys whose block mask skips the invisible raw blocks.
 Both paths share the compression (importance, selection, aggregation); the selection is a
 discrete choice (no gradient), aggregation weights carry gradients to q and k.
 
@@ -53,7 +55,6 @@ from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
-
 
 IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
 

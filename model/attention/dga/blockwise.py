@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -188,7 +189,9 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
     lse.copy_(new)
 
 
-def _forward(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float):
+def _forward(
+    q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float
+) -> tuple[Tensor, Tensor]:
     out = torch.zeros_like(q)
     lse = torch.full(q.shape[:3], NEG_INF, dtype=q.dtype, device=q.device)
     for p in plan.parts(q.device):
@@ -204,7 +207,18 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan
     return out, lse
 
 
-def _backward(dout: Tensor, q, k, v, ck, cv, out, lse, plan: Plan, scale: float):
+def _backward(
+    dout: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    ck: Tensor,
+    cv: Tensor,
+    out: Tensor,
+    lse: Tensor,
+    plan: Plan,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     dq, dk, dv, dck, dcv = (torch.zeros_like(x) for x in (q, k, v, ck, cv))
     dout = dout.contiguous()
     for p in plan.parts(q.device):
@@ -229,15 +243,16 @@ def _backward(dout: Tensor, q, k, v, ck, cv, out, lse, plan: Plan, scale: float)
 
 class _PartsAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, ck, cv, plan, scale):  # type: ignore[override]
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float) -> Tensor:
         out, lse = _forward(q, k, v, ck, cv, plan, scale)
         ctx.save_for_backward(q, k, v, ck, cv, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out
 
     @staticmethod
-    def backward(ctx, dout):  # type: ignore[override]
-        return (*_backward(dout, *ctx.saved_tensors, ctx.plan, ctx.scale), None, None)
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
+        q, k, v, ck, cv, out, lse = ctx.saved_tensors
+        return (*_backward(dout, q, k, v, ck, cv, out, lse, ctx.plan, ctx.scale), None, None)
 
 
 def parts_attention(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float) -> Tensor:
