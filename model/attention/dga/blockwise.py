@@ -96,21 +96,21 @@ class CausalPlan(Plan):
         t, c, e = self.t, self.c, self.e
         nf, n_chunks = t // c, -(-t // c)
         tf = nf * c
+        if nf >= 1:  # own chunk, causal, every whole chunk in one call (first: its output becomes the buffer)
+            yield Part(Span(0, tf, c), Span(0, tf, c), causal=True, first=True)
+        if tf < t:  # a partial last chunk
+            yield Part(Span(tf, t), Span(tf, t), causal=True, first=True)
+            if nf >= 1:
+                yield Part(Span(tf, t), Span(tf - c, tf))
+        if nf >= 2:  # the previous chunk, whole
+            yield Part(Span(c, tf, c), Span(0, tf - c, c))
         for j0 in range(2, n_chunks, self.group):  # compressed chunks <= j - 2 for query chunk j
             j1 = min(j0 + self.group, n_chunks)
             rows = Span(j0 * c, min(j1 * c, t))
-            yield Part(rows, Span(0, e * (j0 - 1)), compressed=True, first=True)
+            yield Part(rows, Span(0, e * (j0 - 1)), compressed=True)
             if j1 - j0 > 1:
                 mask, nonempty = self._staircase(rows.hi - rows.lo, e * (j1 - j0 - 1), device or torch.device("cpu"))
                 yield Part(rows, Span(e * (j0 - 1), e * (j1 - 2)), compressed=True, mask=mask, nonempty=nonempty)
-        if nf >= 1:  # own chunk, causal, every whole chunk in one call
-            yield Part(Span(0, tf, c), Span(0, tf, c), causal=True)
-        if nf >= 2:  # the previous chunk, whole
-            yield Part(Span(c, tf, c), Span(0, tf - c, c))
-        if tf < t:  # a partial last chunk
-            yield Part(Span(tf, t), Span(tf, t), causal=True)
-            if nf >= 1:
-                yield Part(Span(tf, t), Span(tf - c, tf))
 
 
 def additive(allowed: Tensor, dtype: torch.dtype) -> Tensor:
@@ -192,19 +192,26 @@ def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float
 ) -> tuple[Tensor, Tensor]:
-    out = torch.zeros_like(q)
-    lse = torch.full(q.shape[:3], NEG_INF, dtype=q.dtype, device=q.device)
+    b, h, t, d = q.shape
+    out: Tensor | None = None
+    lse = torch.full((b, h, t), NEG_INF, dtype=q.dtype, device=q.device)
     for p in plan.parts(q.device):
         ks, vs = (ck, cv) if p.compressed else (k, v)
         o, lse_p = _FWD(p.q.take(q), p.k.take(ks), p.k.take(vs), 0.0, p.causal, attn_mask=p.mask, scale=scale)
         if p.nonempty is not None:
             lse_p = lse_p.masked_fill(~p.nonempty, NEG_INF)
+        if out is None:
+            if p.first and p.q.lo == 0 and p.q.hi == t and o.is_contiguous():  # every row: no second T x D buffer
+                out = o.view(b, h, t, d)
+                p.q.take(lse).copy_(lse_p)
+                continue
+            out = torch.zeros_like(q)
         if p.first:
             p.q.take(out).copy_(o)
             p.q.take(lse).copy_(lse_p)
         else:
             _merge(p.q.take(out), p.q.take(lse), o, lse_p)
-    return out, lse
+    return (torch.zeros_like(q) if out is None else out), lse
 
 
 def _backward(
