@@ -392,6 +392,30 @@ def test_flex_mask_mod_equals_the_reference_forward(selection):
     torch.testing.assert_close(flex, run(module, q, k, v, hidden, "reference").output, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("t,c,e,n", [(37, 8, 5, 15), (64, 8, 3, 18), (50, 7, 4, 0), (29, 16, 6, 6)])
+def test_causal_flex_block_lists_cover_every_visible_pair(t, c, e, n):
+    """The CUDA causal form's block mask comes from block arithmetic: every visible pair lies in a listed block,
+    and a block marked full holds no invisible pair (checked against the pairwise rule, block size 4)."""
+    from model.attention.dga import causal_flex_blocks
+
+    block = 4
+    n_pad = -(-n // block) * block
+    listed, full = causal_flex_blocks(t, n, n_pad, c, e, torch.device("cpu"), block=block)
+    p = torch.arange(t)[:, None]
+    kv = torch.arange(n_pad + t)[None, :]
+    r = kv - n_pad
+    visible = torch.where(kv < n_pad, (kv < n) & ((kv // e + 2) * c <= p), (r >= 0) & (r <= p) & (r // c >= p // c - 1))
+    q_blk, k_blk = p // block, kv // block
+    for i in range(listed.shape[0]):
+        for j in range(listed.shape[1]):
+            pairs = visible[(q_blk[:, 0] == i)][:, k_blk[0] == j]
+            if pairs.any():
+                assert listed[i, j], (i, j)
+            if full[i, j]:
+                assert pairs.all() and pairs.shape[1] == block, (i, j)  # a last, partial query block may be full
+    assert full.sum() > 0 and (listed & ~full).sum() > 0 and not listed.all()
+
+
 @pytest.mark.parametrize(
     "options,key",
     [

@@ -56,6 +56,7 @@ from model.attention.dga.compressed import Compressed, pad_positions, sample_off
 from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
 
+FLEX_BLOCK = 128  # FlexAttention's block size for the causal form's block mask
 IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
 
 
@@ -407,9 +408,11 @@ class DynamicGroupAttention(GroupedKVCache):
 
         b, h, tq, _ = q.shape
         n, tk = ck.shape[2], k.shape[2]
-        keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
         q_pos = q_pos.to(q.device)
         c = self.cfg.chunk_size
+        if self.cfg.selection == "causal" and tq == tk:
+            return self._flex_causal(q, k, v, ck, cv, q_pos)
+        keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
         if self.cfg.selection == "causal":
 
             def raw_visible(bi, hi, qp, t):
@@ -440,8 +443,67 @@ class DynamicGroupAttention(GroupedKVCache):
         block_mask = create_block_mask(mask_mod, b, h, tq, n + tk, device=q.device)
         return flex_attention_fn(q.is_cuda, "dga")(q, keys, values, block_mask=block_mask, scale=self.scale)
 
+    def _flex_causal(self, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, q_pos: Tensor) -> Tensor:
+        """Causal form, a whole sequence from position 0: FlexAttention over [entries, padded to a whole block; raw
+        keys] with a mask_mod from chunk arithmetic and a block mask from block arithmetic (``causal_flex_blocks``),
+        so nothing of size Tq x Tk is ever built (``create_block_mask`` evaluates the mask_mod on every pair)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, h, t, d = q.shape
+        n, c, e = ck.shape[2], self.cfg.chunk_size, self._entries_per_chunk()
+        n_pad = -(-n // FLEX_BLOCK) * FLEX_BLOCK
+        pad = q.new_zeros(b, h, n_pad - n, d)
+        keys, values = torch.cat([ck, pad, k], dim=2), torch.cat([cv, pad, v], dim=2)
+
+        def mask_mod(bi, hi, qi, kv):
+            qp = q_pos[qi]
+            comp_ok = (kv < n) & ((kv // e + 2) * c <= qp)
+            r = kv - n_pad
+            raw_ok = (r >= 0) & (r <= qp) & (r // c >= qp // c - 1)
+            return torch.where(kv < n_pad, comp_ok, raw_ok)
+
+        listed, full = causal_flex_blocks(t, n, n_pad, c, e, q.device)
+        partial = listed & ~full
+
+        def lists(flag: Tensor) -> tuple[Tensor, Tensor]:
+            order = torch.argsort((~flag).to(torch.int8), dim=-1, stable=True)  # listed blocks first, in order
+            return flag.sum(-1).int()[None, None], order.int()[None, None]
+
+        block_mask = BlockMask.from_kv_blocks(
+            *lists(partial), *lists(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(t, n_pad + t)
+        )
+        return flex_attention_fn(q.is_cuda, "dga")(q, keys, values, block_mask=block_mask, scale=self.scale)
+
     def _stats(self, counts: Tensor | None, q_pos: Tensor) -> dict[str, Tensor]:
         if counts is None:
             return {}
         full = (q_pos.to(counts.device) + 1).to(torch.float64)
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
+
+
+def causal_flex_blocks(
+    t: int, n: int, n_pad: int, c: int, e: int, device: torch.device, block: int = FLEX_BLOCK
+) -> tuple[Tensor, Tensor]:
+    """Causal form over [entries (n, padded to n_pad, a multiple of ``block``); t raw keys], queries at 0..t-1:
+    per (query block, key block) whether any pair may be visible (listed) and whether every pair is (full), from
+    block arithmetic. Entry i (chunk i // e) is visible from position (i // e + 2) c on; raw key r to query p iff
+    r <= p and r // c >= p // c - 1. Conservative: a listed block may hold no visible pair; a full one never
+    holds an invisible pair. [nq, nk] each."""
+    nq, nk = -(-t // block), -(-(n_pad + t) // block)
+    a = torch.arange(nq, device=device) * block  # first query of each block
+    last = torch.clamp(a + block, max=t) - 1
+    x = torch.arange(nk, device=device) * block  # first key of each block
+    y = torch.clamp(x + block, max=n_pad + t)  # one past its last
+    compressed = (y <= n_pad)[None, :]
+    ce = torch.clamp(y, max=n)  # real entries [x, ce)
+    c_any = (x < ce)[None, :] & (((x // e + 2) * c)[None, :] <= last[:, None])
+    c_full = (y <= n)[None, :] & ((((y - 1) // e + 2) * c)[None, :] <= a[:, None])
+    rx, ry = x - n_pad, y - n_pad  # raw keys [rx, ry)
+    r_any = (rx[None, :] <= last[:, None]) & ((ry - 1)[None, :] >= ((a // c - 1) * c)[:, None])
+    r_full = (
+        (ry - rx == block)[None, :]
+        & ((ry - 1)[None, :] <= a[:, None])
+        & (rx[None, :] >= ((last // c - 1) * c)[:, None])
+    )
+    listed = torch.where(compressed, c_any, r_any)
+    return listed, listed & torch.where(compressed, c_full, r_full)
