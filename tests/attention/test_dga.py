@@ -213,7 +213,7 @@ def test_parts_form_equals_the_dense_reference(options, t, impl, dtype, monkeypa
         q, k, v, hidden = (x.to(dt).requires_grad_(True) for x in inputs(t=t, seed=t))
         out = run(module, q, k, v, hidden, path)
         (out.output * weight.to(dt)).sum().backward()
-        results.append([x.double() for x in (out.output, q.grad, k.grad, v.grad, out.stats["key_ratio"])])
+        results.append([x.detach().double() for x in (out.output, q.grad, k.grad, v.grad, out.stats["key_ratio"])])
     for name, want, got in zip(("output", "dq", "dk", "dv", "key_ratio"), *results):
         atol = 1e-10 if dtype == torch.float64 else 1e-5 * float(want.abs().max())
         torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
@@ -414,6 +414,21 @@ def test_causal_flex_block_lists_cover_every_visible_pair(t, c, e, n):
             if full[i, j]:
                 assert pairs.all() and pairs.shape[1] == block, (i, j)  # a last, partial query block may be full
     assert full.sum() > 0 and (listed & ~full).sum() > 0 and not listed.all()
+
+
+@pytest.mark.slow
+def test_causal_flex_form_traces_without_a_graph_break():
+    """The CUDA causal form (block mask from arithmetic, FlexAttention) as dynamo sees it, traced on CPU without
+    gradients (FlexAttention has no CPU backward under dynamo): one graph, no break (about 7 s of CPU)."""
+    module = dga(selection="causal", chunk_size=8, **SMALL).float()
+    q, k, v, _ = (x.float() for x in inputs(t=37))
+    kx, vx = ref.expand_kv(k, 4), ref.expand_kv(v, 4)
+    _, (ck, cv, _) = module._compress_uncached(q, kx, vx, 36)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(module._flex_causal)(q, kx, vx, ck, cv, torch.arange(37))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
 
 
 @pytest.mark.parametrize(
