@@ -180,6 +180,46 @@ def test_gradients_reach_queries_through_the_group_weights():
     assert touched[-1] and touched[:16].any()
 
 
+PARTS_CASES = [
+    dict(selection="causal", chunk_size=8, group_size=2, gamma=0.2, sample_recent=2, sample_random=3),
+    dict(selection="causal", chunk_size=7, group_size=3, gamma=0.15, sample_recent=1, sample_random=2),
+    dict(selection="causal", chunk_size=8, group_size=4, gamma=0.5, sample_recent=3, sample_random=1),
+    dict(selection="sequence", group_size=2, gamma=0.2, sample_recent=2, sample_random=3),
+    dict(selection="sequence", group_size=3, gamma=0.3, sample_recent=2, sample_random=3),
+]
+
+
+@pytest.mark.parametrize("impl", ["auto", "gathered"])
+@pytest.mark.parametrize("t", [37, 40])
+@pytest.mark.parametrize("options", PARTS_CASES, ids=lambda o: f"{o['selection']}-m{o['group_size']}-g{o['gamma']}")
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_parts_form_equals_the_dense_reference(options, t, impl, dtype, monkeypatch):
+    """The memory-linear parts form (blockwise.py; impl "auto" on the CPU) and the gathered form against the dense
+    float64 reference: values and gradients for q, k, v, batch 2, GQA, T a multiple of no block (37) or of the chunk
+    (40). float64 within 1e-10; float32 within 1e-5 of each tensor's largest magnitude (the float32 reference itself
+    is off by about 5e-6 of it). Small groups of chunks and sequence blocks exercise the staircase masks and several
+    blocks."""
+    from model.attention.dga import blockwise
+
+    monkeypatch.setattr(blockwise, "COMPRESSED_ROWS", 16)
+    monkeypatch.setattr(blockwise, "SEQUENCE_BLOCK", 8)
+    calls = []
+    forward = blockwise._FWD
+    monkeypatch.setattr(blockwise, "_FWD", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    weight = torch.randn(2, 4, t, 8, generator=torch.Generator().manual_seed(t), dtype=torch.float64)
+    results = []
+    for path, dt in (("reference", torch.float64), (impl, dtype)):
+        module = dga(**options).to(dt)
+        q, k, v, hidden = (x.to(dt).requires_grad_(True) for x in inputs(t=t, seed=t))
+        out = run(module, q, k, v, hidden, path)
+        (out.output * weight.to(dt)).sum().backward()
+        results.append([x.detach().double() for x in (out.output, q.grad, k.grad, v.grad, out.stats["key_ratio"])])
+    for name, want, got in zip(("output", "dq", "dk", "dv", "key_ratio"), *results):
+        atol = 1e-10 if dtype == torch.float64 else 1e-5 * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=atol, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+    assert bool(calls) == (impl == "auto"), "the CPU training forward takes the parts form"
+
+
 def feed(module, q, k, v, hidden, cache, calls):
     """Run the cached module over consecutive calls of the given lengths; the outputs, concatenated."""
     outs, p = [], cache.length
@@ -350,6 +390,45 @@ def test_flex_mask_mod_equals_the_reference_forward(selection):
         warnings.simplefilter("ignore")
         flex = module._flex(q, kx, vx, comp, ck, cv, avail, pos)
     torch.testing.assert_close(flex, run(module, q, k, v, hidden, "reference").output, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("t,c,e,n", [(37, 8, 5, 15), (64, 8, 3, 18), (50, 7, 4, 0), (29, 16, 6, 6)])
+def test_causal_flex_block_lists_cover_every_visible_pair(t, c, e, n):
+    """The CUDA causal form's block mask comes from block arithmetic: every visible pair lies in a listed block,
+    and a block marked full holds no invisible pair (checked against the pairwise rule, block size 4)."""
+    from model.attention.dga import causal_flex_blocks
+
+    block = 4
+    n_pad = -(-n // block) * block
+    listed, full = causal_flex_blocks(t, n, n_pad, c, e, torch.device("cpu"), block=block)
+    p = torch.arange(t)[:, None]
+    kv = torch.arange(n_pad + t)[None, :]
+    r = kv - n_pad
+    visible = torch.where(kv < n_pad, (kv < n) & ((kv // e + 2) * c <= p), (r >= 0) & (r <= p) & (r // c >= p // c - 1))
+    q_blk, k_blk = p // block, kv // block
+    for i in range(listed.shape[0]):
+        for j in range(listed.shape[1]):
+            pairs = visible[(q_blk[:, 0] == i)][:, k_blk[0] == j]
+            if pairs.any():
+                assert listed[i, j], (i, j)
+            if full[i, j]:
+                assert pairs.all() and pairs.shape[1] == block, (i, j)  # a last, partial query block may be full
+    assert full.sum() > 0 and (listed & ~full).sum() > 0 and not listed.all()
+
+
+@pytest.mark.slow
+def test_causal_flex_form_traces_without_a_graph_break():
+    """The CUDA causal form (block mask from arithmetic, FlexAttention) as dynamo sees it, traced on CPU without
+    gradients (FlexAttention has no CPU backward under dynamo): one graph, no break (about 7 s of CPU)."""
+    module = dga(selection="causal", chunk_size=8, **SMALL).float()
+    q, k, v, _ = (x.float() for x in inputs(t=37))
+    kx, vx = ref.expand_kv(k, 4), ref.expand_kv(v, 4)
+    _, (ck, cv, _) = module._compress_uncached(q, kx, vx, 36)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        explained = torch._dynamo.explain(module._flex_causal)(q, kx, vx, ck, cv, torch.arange(37))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
 
 
 @pytest.mark.parametrize(

@@ -23,9 +23,11 @@ Two selection modes (docs/dga.md has the full design):
   uncached forward exactly.
 
 Paths. ``reference``: dense masked softmax over ``[all raw keys; all aggregates]`` (T x (T+G)).
-``fast``: one softmax over the gathered ``[focal; aggregated; complementary/window]`` keys, so
-the work is about L (r + (L-r)/m + window) instead of L^2; on CUDA (no cache) a FlexAttention
-``mask_mod`` over ``[compressed; raw]`` keys whose block mask skips the invisible raw blocks.
+``fast`` on the CPU for a whole sequence (training, uncached prefill): the parts form of ``blockwise.py``, kernel
+calls over ranges of one compressed key list per layer and of the raw keys, merged by logsumexp: O(T D) memory.
+Cached calls (and ``impl = "gathered"``): one softmax over the gathered ``[focal; aggregated;
+complementary/window]`` keys, so the work is about L (r + (L-r)/m + window) instead of L^2; on CUDA (no cache) a
+FlexAttention ``mask_mod`` over ``[compressed; raw]`` keys whose block mask skips the invisible raw blocks.
 Both paths share the compression (importance, selection, aggregation); the selection is a
 discrete choice (no gradient), aggregation weights carry gradients to q and k.
 
@@ -48,10 +50,14 @@ from torch import Tensor
 
 from model.attention import reference as ref
 from model.attention.base import AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.dga.blockwise import KERNEL_DTYPES, CausalPlan, Plan, SequencePlan, parts_attention
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
+
+FLEX_BLOCK = 128  # FlexAttention's block size for the causal form's block mask
+IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
 
 
 @register_attention("dga", DGAConfig)
@@ -107,13 +113,25 @@ class DynamicGroupAttention(GroupedKVCache):
         dev = k.device
         starts = starts.to(dev)
         with torch.no_grad():  # the selection is a discrete decision: no gradient flows through it
-            wpos = starts[:, None] + torch.arange(window, device=dev)  # [U, W]
-            spos = starts[:, None] + offsets.to(dev)  # [U, S] (same offsets for every unit, or [U, S])
-            qs = ref.take_rows(q, (spos - q_base).expand(b, h, -1, -1)).to(dt)
-            kw = ref.take_rows(k, (wpos - k_base).expand(b, h, -1, -1)).to(dt)
-            mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
-            a = ref.masked_softmax(torch.matmul(qs, kw.transpose(-1, -2)) * self.scale, mask)
-            importance = (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]  # [B, H, U, n]
+            # units in blocks: the sampled queries' scores over each unit's window stay a fraction of the output
+            step = max(1, IMPORTANCE_ELEMENTS // max(1, b * h * offsets.shape[-1] * window))
+            importance = torch.cat(
+                [
+                    self._importance(
+                        q,
+                        k,
+                        starts[i : i + step],
+                        offsets if offsets.shape[0] == 1 else offsets[i : i + step],
+                        window,
+                        n,
+                        q_base,
+                        k_base,
+                        dt,
+                    )
+                    for i in range(0, max(u, 1), step)  # u = 0: one empty block
+                ],
+                dim=2,
+            )  # [B, H, U, n]
             focal = torch.zeros_like(importance, dtype=torch.bool).scatter_(
                 -1, importance.topk(r, dim=-1).indices, True
             )
@@ -123,12 +141,40 @@ class DynamicGroupAttention(GroupedKVCache):
         members = order[..., : n - r].reshape(b, h, u, g, m)
         km, vm = ref.take_rows(k, members - k_base), ref.take_rows(v, members - k_base)  # [B, H, U, g, m, D]
         q_last = ref.take_rows(q, members[..., -1] - q_base)  # [B, H, U, g, D]
-        p = torch.softmax((q_last.to(dt)[..., None, :] * km.to(dt)).sum(-1) * self.scale, dim=-1)  # [B, H, U, g, m]
-        agg_k = (p[..., None] * km.to(dt)).sum(-2).to(k.dtype)
-        agg_v = (p[..., None] * vm.to(dt)).sum(-2).to(v.dtype)
+        # products as matmuls: no [B, H, U, g, m, D] temporary
+        p = torch.softmax(torch.matmul(km.to(dt), q_last.to(dt)[..., None])[..., 0] * self.scale, dim=-1)
+        agg_k = torch.matmul(p[..., None, :], km.to(dt))[..., 0, :].to(k.dtype)
+        agg_v = torch.matmul(p[..., None, :], vm.to(dt))[..., 0, :].to(v.dtype)
         return Compressed(
             focal_pos, members, ref.take_rows(k, focal_pos - k_base), ref.take_rows(v, focal_pos - k_base), agg_k, agg_v
         )
+
+    def _importance(
+        self,
+        q: Tensor,
+        k: Tensor,
+        starts: Tensor,
+        offsets: Tensor,
+        window: int,
+        n: int,
+        q_base: int,
+        k_base: int,
+        dt: torch.dtype,
+    ) -> Tensor:
+        """Eq. 16-17 for the units at ``starts``: the mean weight each of a unit's first ``n`` keys gets from the
+        sampled queries ``starts + offsets``, softmax over the ``window`` keys from the unit start, causally masked.
+        [B, H, U, n]."""
+        b, h = k.shape[:2]
+        wpos = starts[:, None] + torch.arange(window, device=k.device)  # [U, W]
+        spos = starts[:, None] + offsets.to(k.device)  # [U, S]
+        qs = ref.take_rows(q, (spos - q_base).expand(b, h, -1, -1)).to(dt)
+        kw = ref.take_rows(k, (wpos - k_base).expand(b, h, -1, -1)).to(dt)
+        mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
+        s = torch.matmul(qs, kw.transpose(-1, -2)).mul_(self.scale).masked_fill_(~mask, float("-inf"))
+        del kw
+        a = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row with no key gives zeros
+        del s
+        return (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]
 
     def _causal_units(self, first: int, last: int) -> tuple[Tensor, Tensor]:
         """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C)."""
@@ -223,11 +269,62 @@ class DynamicGroupAttention(GroupedKVCache):
         if flex_supports(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})
-        if self.cfg.selection == "causal":
+        if self.impl != "gathered" and self._parts_apply(q, q_pos):
+            ck, cv, plan = self._parts_inputs(comp, ck, cv, avail, q.shape[2], q.dtype)
+            out = parts_attention(q, k, v, ck, cv, plan, self.scale)
+            counts = self._parts_counts(comp, avail, q_pos) if self.collect_stats else None
+        elif self.cfg.selection == "causal":
             out, counts = self._attend_window(q, q_pos, k, v, ck, cv, avail)
         else:
             out, counts = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
         return AttnOut(out, stats=self._stats(counts, q_pos) if self.collect_stats else {})
+
+    # ---- parts: the memory-linear form on the fused CPU kernel (blockwise.py) ------------
+    def _parts_apply(self, q: Tensor, q_pos: Tensor) -> bool:
+        """The parts form takes a whole sequence from position 0 (training, uncached prefill) in a kernel dtype
+        on the CPU; other calls (and ``impl = "gathered"``, kept as a second reference) gather per query block."""
+        t = q.shape[2]
+        return q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and int(q_pos[0]) == 0 and int(q_pos[-1]) == t - 1
+
+    def _parts_inputs(
+        self, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, t: int, dtype: torch.dtype
+    ) -> tuple[Tensor, Tensor, Plan]:
+        """The compressed key list in the order the plan reads it, and the plan."""
+        if self.cfg.selection == "causal":
+            return ck, cv, CausalPlan(t, self.cfg.chunk_size, self._entries_per_chunk(), dtype)
+        b, h = ck.shape[:2]
+        order = avail.argsort(-1)  # distinct positions: each entry visible from its own
+        idx = order[..., None].expand(-1, -1, -1, ck.shape[-1])
+        ck, cv, avail = ck.gather(2, idx), cv.gather(2, idx), avail.gather(-1, order)
+        focal, group_last = self._sequence_flags(comp, t)
+        members = comp.members.reshape(b, h, -1, self.cfg.group_size)
+        plan = SequencePlan(avail, focal, group_last, members[..., 0], members[..., -1], dtype)
+        return ck, cv, plan
+
+    def _sequence_flags(self, comp: Compressed, t: int) -> tuple[Tensor, Tensor]:
+        """Focal flags [B, H, T] and each non-focal token's group's last member [B, H, T] (-1 for focal tokens)."""
+        b, h = comp.focal_pos.shape[:2]
+        dev = comp.focal_pos.device
+        focal = torch.zeros(b, h, t, dtype=torch.bool, device=dev).scatter_(-1, comp.focal_pos.reshape(b, h, -1), True)
+        group_last = torch.full((b, h, t), -1, dtype=torch.long, device=dev)
+        last = comp.members[..., -1:].expand_as(comp.members)
+        group_last.scatter_(-1, comp.members.reshape(b, h, -1), last.reshape(b, h, -1))
+        return focal, group_last
+
+    def _parts_counts(self, comp: Compressed, avail: Tensor, q_pos: Tensor) -> Tensor:
+        """Keys each query sees (statistics), from the visibility rules without a mask."""
+        b, h = comp.focal_pos.shape[:2]
+        p = q_pos.to(avail.device)
+        if self.cfg.selection == "causal":
+            c = self.cfg.chunk_size
+            lo = torch.clamp((p // c - 1) * c, min=0)
+            seen = torch.clamp(p // c - 1, min=0) * self._entries_per_chunk()
+            return (seen + p - lo + 1).expand(b, h, -1)
+        m = self.cfg.group_size
+        entries = torch.searchsorted(avail.sort(-1).values, p.expand(b, h, -1).contiguous(), right=True)
+        nonfocal = comp.members.reshape(b, h, -1).contiguous()
+        open_members = torch.searchsorted(nonfocal, p.expand(b, h, -1).contiguous(), right=True) % m
+        return entries + open_members
 
     def _attend(
         self, qb: Tensor, qpos_b: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, lk: Tensor, lv: Tensor, lmask: Tensor
@@ -311,9 +408,11 @@ class DynamicGroupAttention(GroupedKVCache):
 
         b, h, tq, _ = q.shape
         n, tk = ck.shape[2], k.shape[2]
-        keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
         q_pos = q_pos.to(q.device)
         c = self.cfg.chunk_size
+        if self.cfg.selection == "causal" and tq == tk:
+            return self._flex_causal(q, k, v, ck, cv, q_pos)
+        keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
         if self.cfg.selection == "causal":
 
             def raw_visible(bi, hi, qp, t):
@@ -344,8 +443,67 @@ class DynamicGroupAttention(GroupedKVCache):
         block_mask = create_block_mask(mask_mod, b, h, tq, n + tk, device=q.device)
         return flex_attention_fn(q.is_cuda, "dga")(q, keys, values, block_mask=block_mask, scale=self.scale)
 
+    def _flex_causal(self, q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, q_pos: Tensor) -> Tensor:
+        """Causal form, a whole sequence from position 0: FlexAttention over [entries, padded to a whole block; raw
+        keys] with a mask_mod from chunk arithmetic and a block mask from block arithmetic (``causal_flex_blocks``),
+        so nothing of size Tq x Tk is ever built (``create_block_mask`` evaluates the mask_mod on every pair)."""
+        from torch.nn.attention.flex_attention import BlockMask
+
+        b, h, t, d = q.shape
+        n, c, e = ck.shape[2], self.cfg.chunk_size, self._entries_per_chunk()
+        n_pad = -(-n // FLEX_BLOCK) * FLEX_BLOCK
+        pad = q.new_zeros(b, h, n_pad - n, d)
+        keys, values = torch.cat([ck, pad, k], dim=2), torch.cat([cv, pad, v], dim=2)
+
+        def mask_mod(bi, hi, qi, kv):
+            qp = q_pos[qi]
+            comp_ok = (kv < n) & ((kv // e + 2) * c <= qp)
+            r = kv - n_pad
+            raw_ok = (r >= 0) & (r <= qp) & (r // c >= qp // c - 1)
+            return torch.where(kv < n_pad, comp_ok, raw_ok)
+
+        listed, full = causal_flex_blocks(t, n, n_pad, c, e, q.device)
+        partial = listed & ~full
+
+        def lists(flag: Tensor) -> tuple[Tensor, Tensor]:
+            order = torch.argsort((~flag).to(torch.int8), dim=-1, stable=True)  # listed blocks first, in order
+            return flag.sum(-1).int()[None, None], order.int()[None, None]
+
+        block_mask = BlockMask.from_kv_blocks(
+            *lists(partial), *lists(full), BLOCK_SIZE=FLEX_BLOCK, mask_mod=mask_mod, seq_lengths=(t, n_pad + t)
+        )
+        return flex_attention_fn(q.is_cuda, "dga")(q, keys, values, block_mask=block_mask, scale=self.scale)
+
     def _stats(self, counts: Tensor | None, q_pos: Tensor) -> dict[str, Tensor]:
         if counts is None:
             return {}
         full = (q_pos.to(counts.device) + 1).to(torch.float64)
         return {"key_ratio": (counts.to(torch.float64) / full).mean().detach()}
+
+
+def causal_flex_blocks(
+    t: int, n: int, n_pad: int, c: int, e: int, device: torch.device, block: int = FLEX_BLOCK
+) -> tuple[Tensor, Tensor]:
+    """Causal form over [entries (n, padded to n_pad, a multiple of ``block``); t raw keys], queries at 0..t-1:
+    per (query block, key block) whether any pair may be visible (listed) and whether every pair is (full), from
+    block arithmetic. Entry i (chunk i // e) is visible from position (i // e + 2) c on; raw key r to query p iff
+    r <= p and r // c >= p // c - 1. Conservative: a listed block may hold no visible pair; a full one never
+    holds an invisible pair. [nq, nk] each."""
+    nq, nk = -(-t // block), -(-(n_pad + t) // block)
+    a = torch.arange(nq, device=device) * block  # first query of each block
+    last = torch.clamp(a + block, max=t) - 1
+    x = torch.arange(nk, device=device) * block  # first key of each block
+    y = torch.clamp(x + block, max=n_pad + t)  # one past its last
+    compressed = (y <= n_pad)[None, :]
+    ce = torch.clamp(y, max=n)  # real entries [x, ce)
+    c_any = (x < ce)[None, :] & (((x // e + 2) * c)[None, :] <= last[:, None])
+    c_full = (y <= n)[None, :] & ((((y - 1) // e + 2) * c)[None, :] <= a[:, None])
+    rx, ry = x - n_pad, y - n_pad  # raw keys [rx, ry)
+    r_any = (rx[None, :] <= last[:, None]) & ((ry - 1)[None, :] >= ((a // c - 1) * c)[:, None])
+    r_full = (
+        (ry - rx == block)[None, :]
+        & ((ry - 1)[None, :] <= a[:, None])
+        & (rx[None, :] >= ((last // c - 1) * c)[:, None])
+    )
+    listed = torch.where(compressed, c_any, r_any)
+    return listed, listed & torch.where(compressed, c_full, r_full)
