@@ -259,7 +259,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "hyper-keeps-lowest-scores",
         "model/attention/prescored_hyper/__init__.py",
-        (("self.key_scores(k).topk(keep, dim=-1)", "self.key_scores(k).topk(keep, dim=-1, largest=False)"),),
+        (
+            (
+                "self.key_scores(k, dense=dense).topk(keep, dim=-1)",
+                "self.key_scores(k, dense=dense).topk(keep, dim=-1, largest=False)",
+            ),
+        ),
         "prescored_hyper: the lowest-scored keys kept (Algorithm 1)",
         HYPER,
     ),
@@ -324,5 +329,34 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return inv / factor, 1.0", "return inv * factor, 1.0"),),
         "RoPE linear (position interpolation): frequencies x s instead of / s",
         ROPE,
+    ),
+    # ---- the CPU training paths (blockwise, exact): their own copies of the formulas ------------------------
+    Mutation(
+        "lazy-blockwise-bias-added",
+        "model/attention/lazy/blockwise.py",
+        (("u = -table.to(dtype)[:, dist.clamp(0, self.last)]", "u = table.to(dtype)[:, dist.clamp(0, self.last)]"),),
+        "lazy CPU path: distance bias added instead of subtracted (section 4)",
+        LAZY,
+    ),
+    Mutation(
+        "lazy-blockwise-threshold-over-position",
+        "model/attention/lazy/blockwise.py",
+        (("c = tau.to(dtype)[:, None] / (pos + 1)[None, :]", "c = tau.to(dtype)[:, None] / (pos + 2)[None, :]"),),
+        "lazy CPU path: Elastic-Softmax threshold tau / (n + 1) instead of tau / n",
+        LAZY,
+    ),
+    Mutation(
+        "focus-soft-cpu-gate-offset",
+        "model/attention/focus/soft.py",
+        (("(-0.5 * lam).expand", "(-0.25 * lam).expand"),),
+        "focus soft CPU path: gate lam (g_i . g_j - 0.25) instead of - 0.5 (E.4.8)",
+        FOCUS,
+    ),
+    Mutation(
+        "focus-soft-cpu-window-boundary",
+        "model/attention/focus/soft.py",
+        (("self.near = (pos - keys < window) & ~self.future", "self.near = (pos - keys <= window) & ~self.future"),),
+        "focus soft CPU path: the window one key wider (i - j <= w ungated)",
+        FOCUS,
     ),
 )
