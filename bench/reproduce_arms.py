@@ -54,7 +54,9 @@ class LocalWindowAttention(Attention):
     def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return ref.causal_mask(q_pos, k_pos) & ((q_pos[:, None] - k_pos[None, :]) < self.cfg.window)
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         scale = 1.0 / math.sqrt(self.spec.head_dim)
         p = ref.masked_softmax(ref.scores(q, k, scale), self._mask(q_pos, k_pos))
         stats = ref.sink_and_density(p, k_pos) if self.collect_stats else {}
@@ -63,7 +65,9 @@ class LocalWindowAttention(Attention):
     def has_fast_path(self, q, cache) -> bool:
         return True
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         mask = self._mask(q_pos, k_pos)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.spec.head_dim), enable_gqa=k.shape[1] != q.shape[1]

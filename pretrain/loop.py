@@ -17,6 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import torch
@@ -97,7 +98,7 @@ class Trainer:
         """Trained to train.max_steps (not stopped early by a signal, a failure or train.stop_at)."""
         return not self.preempted and not self.error and self.step == self.cfg.train.max_steps
 
-    def _call(self, hook: str, *args) -> None:
+    def _call(self, hook: str, *args: object) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
 
@@ -121,7 +122,7 @@ class Trainer:
         world = self.engine.world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
         if self.corpus.stream is not None:
-            self.loader = StreamBatchLoader(
+            self.loader: StreamBatchLoader | BatchLoader = StreamBatchLoader(
                 self.corpus.stream,
                 self.corpus.tokenizer,
                 seq_len=cfg.data.seq_len,
@@ -169,7 +170,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not self.engine.is_main:
                 return
-            self._lock = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
+            self._lock: IO[str] | None = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
         except OSError as exc:
             raise ConfigError(f"run.dir: cannot write {self.run_dir} ({exc.strerror})") from None
         try:
@@ -369,7 +370,8 @@ class Trainer:
         n_global = int(self.engine.all_reduce_sum(torch.tensor(float(n_local), device=self.device)))
         lr = self.engine.lr
         loss_sum = torch.zeros((), device=self.device)
-        aux_sum, stats = None, {}
+        aux_sum: torch.Tensor | None = None
+        stats: dict[str, torch.Tensor | float] = {}
         for i, mb in enumerate(micro):
             out = self.engine.micro_step(
                 mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1

@@ -69,6 +69,6 @@ class SignalHandler:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)  # type: ignore[arg-type]
