@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,14 +24,17 @@ from data.packing import PackedDataset, pack_documents
 from data.sources import Document, iter_documents
 from data.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from data.shards import PreparedDataset
+
 CACHE_FORMAT = "tokens-v1"  # bump when packing changes, so old caches are not reused
 
 
 @dataclass
 class Corpus:
     tokenizer: Tokenizer
-    train: PackedDataset | None  # None for a stream
-    val: PackedDataset | None  # None: a stream without data.val_path
+    train: PackedDataset | PreparedDataset | None  # None for a stream
+    val: PackedDataset | PreparedDataset | None  # None: a stream without data.val_path
     fingerprint: (
         str  # documents (or stream settings) + tokenizer + split + seq_len: stored in checkpoints, checked at resume
     )
@@ -151,7 +155,7 @@ def _stream_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
     stream = cfg.stream_config(seed=0)
     described = repr(sorted((spec.name, round(w, 12)) for spec, w in stream.sources()))
 
-    def sample_texts():
+    def sample_texts() -> Iterator[str]:
         docs = StreamDataset(stream).documents(0, 1)
         for _, doc in zip(range(cfg.tokenizer_sample_docs), docs):
             yield doc.text
@@ -207,7 +211,7 @@ def _packed_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     single = len(docs) == 1
 
-    def tokenizer_texts():
+    def tokenizer_texts() -> Iterator[str]:
         if single:  # the held-out tail of a lone document stays out of the tokenizer too
             text = docs[0].text
             return iter([text[: int(len(text) * (1 - cfg.val_fraction))]])

@@ -12,10 +12,14 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import ConfigError
 from data.documents import Document, normalise_text
 from data.embedded import iter_embedded
+
+if TYPE_CHECKING:
+    from data.config import DataConfig
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 _GLOB_CHARS = "*?["
@@ -119,7 +123,7 @@ def iter_local(path: str, text_field: str = "text") -> Iterator[Document]:
             yield from _read_parquet(f, name, text_field)
 
 
-def iter_documents(cfg) -> Iterator[Document]:
+def iter_documents(cfg: DataConfig) -> Iterator[Document]:
     """Documents of ``cfg.source`` (a DataConfig) in a deterministic order."""
     if cfg.source == "embedded":
         return iter_embedded()
