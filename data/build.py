@@ -26,6 +26,7 @@ from data.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
 
 if TYPE_CHECKING:
     from data.shards import PreparedDataset
+    from data.stream_config import StreamConfig
 
 CACHE_FORMAT = "tokens-v1"  # bump when packing changes, so old caches are not reused
 
@@ -40,7 +41,7 @@ class Corpus:
     )
     unigram_entropy: float | None  # nats per token of the training split's unigram distribution (None: a stream)
     num_documents: tuple[int, int]  # (train, val); 0 where unknown (a stream)
-    stream: object = None  # data.streaming.StreamConfig of a streamed run (its seed set by the trainer)
+    stream: StreamConfig | None = None  # data.streaming.StreamConfig of a streamed run (its seed set by the trainer)
 
 
 ENTROPY_SAMPLE = 10_000_000  # tokens of a prepared split the unigram entropy is measured on

@@ -335,7 +335,7 @@ class PreparedDataset:
 
         return torch.from_numpy(self.stream.gather(self._starts([int(i)]), self.seq_len + 1)[0])
 
-    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+    def batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
         """LongTensor [len(indices), seq_len + 1]."""
         import torch
 

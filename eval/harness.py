@@ -422,7 +422,7 @@ def evaluate(
     return {task: _metrics(out["results"][LM_EVAL_PREFIX + task], stderr) for task in names}
 
 
-def flatten_for_metrics(results: dict[str, dict[str, float]], prefix: str = "eval") -> dict[str, float]:
+def flatten_for_metrics(results: dict[str, dict[str, float | None]], prefix: str = "eval") -> dict[str, float | None]:
     """``{task: {metric: v}}`` -> ``{"eval/<task>/<metric>": v}`` (non-finite values kept: they are findings)."""
     return {
         f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()

@@ -133,6 +133,7 @@ class Trainer:
                 seed=cfg.train.seed,
             )
         else:
+            assert self.corpus.train is not None  # not a stream
             self.loader = BatchLoader(
                 self.corpus.train,
                 batch_size=cfg.train.batch_size,
@@ -214,6 +215,7 @@ class Trainer:
     def _reference_batch(self) -> torch.Tensor:
         """A fixed validation batch for statistics tracked across log steps (Focus stability)."""
         if getattr(self, "_ref_batch", None) is None:
+            assert self.corpus.val is not None  # the caller checks
             batch = next(eval_batches(self.corpus.val, batch_size=self.eval_batch_size, max_batches=1))
             self._ref_batch = batch[:, :-1].to(self.device)
         return self._ref_batch
