@@ -21,9 +21,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package (a dependency there)
+    import tomli as tomllib
 
 
 def _public_fields(cls_or_obj: Any) -> list[dataclasses.Field]:

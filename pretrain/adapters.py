@@ -30,9 +30,9 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import torch
 
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from core.files import atomic_directory
 from run import checkpoint as ckpt

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from core.files import atomic_directory
 from pretrain import checkpoint as ckpt
@@ -97,8 +98,6 @@ def export_hf(
 ) -> Path:
     """Checkpoint directory ``path`` -> Hugging Face model directory ``out`` (written beside it under a
     temporary name, then renamed; ``out`` must not exist or be empty)."""
-    import tomllib
-
     from data.hf_tokenizer import check_hf_tokenizer, write_hf_tokenizer
     from model import hf
     from run.config import run_config_from_dict

@@ -14,10 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import tomllib
 import torch
 
 from core import configlib
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from run.safe_load import torch_load
 
