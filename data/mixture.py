@@ -19,7 +19,7 @@ existed has no "weighting": it is document-weighted and its stream stays so (and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -27,7 +27,25 @@ import torch
 from data.source_stream import MIX, SourceStream, StreamDoc, rng
 
 if TYPE_CHECKING:
-    from data.streaming import StreamDataset
+    import datasets
+
+    from data.stream_sources import SourceSpec
+    from data.tokenizer import Tokenizer
+
+
+class StreamSet(Protocol):
+    """What the mixers (and data.stream_resume) read of a ``data.streaming.StreamDataset``; a protocol, since
+    that module imports this one."""
+
+    tokenizer: Tokenizer | None
+    seq_len: int
+    seed: int
+    window: int
+    specs: list[SourceSpec]
+    bases: list[datasets.IterableDataset]
+    weights: list[float]
+    source_names: list[str]
+
 
 STATE_FORMAT = "stream-v1"
 MIX_BLOCK = 1024  # mixture draws generated per RNG
@@ -87,7 +105,7 @@ class _Mixer:
 
     weighting = ""
 
-    def __init__(self, ds: StreamDataset, g: int, G: int, state: dict, *, tokenize: bool):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool):
         self.ds, self.g, self.G = ds, g, G
         tok = ds.tokenizer if tokenize else None
         self.streams = [
@@ -124,7 +142,7 @@ class DocumentMixer(_Mixer):
 
     weighting = "documents"
 
-    def __init__(self, ds: StreamDataset, g: int, G: int, state: dict, *, tokenize: bool = True):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool = True):
         super().__init__(ds, g, G, state, tokenize=tokenize)
         self.draws = state["draws"]
         self._block: tuple[int, np.ndarray] | None = None
@@ -205,7 +223,7 @@ class TokenMixer(_Mixer):
 
     weighting = "tokens"
 
-    def __init__(self, ds: StreamDataset, g: int, G: int, state: dict, *, tokenize: bool = True):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool = True):
         super().__init__(ds, g, G, state, tokenize=tokenize)
         self.picks = list(state["picks"])
         self.lanes: list[_Lane | None] = [None] * len(self.streams)
@@ -264,6 +282,6 @@ class TokenMixer(_Mixer):
             self.opened.clear()
 
 
-def make_mixer(ds: StreamDataset, g: int, G: int, state: dict, *, tokenize: bool) -> DocumentMixer | TokenMixer:
+def make_mixer(ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool) -> DocumentMixer | TokenMixer:
     cls = TokenMixer if weighting_of(state) == "tokens" else DocumentMixer
     return cls(ds, g, G, state, tokenize=tokenize)

@@ -4,15 +4,11 @@ tokens per source, and re-deriving positions when ranks x loader workers changed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from core.errors import ConfigError
-from data.mixture import STATE_FORMAT, fresh_state, keep_legacy, pending, weighting_of
+from data.mixture import STATE_FORMAT, StreamSet, fresh_state, keep_legacy, pending, weighting_of
 from data.source_stream import UNSHUFFLED_WINDOW
 from data.stream_sources import LOCAL
-
-if TYPE_CHECKING:
-    from data.streaming import StreamDataset
 
 
 def find_states(obj: object) -> list[dict]:
@@ -75,7 +71,7 @@ def check_resume_states(states: list[dict]) -> None:
         )
 
 
-def derive_state(ds: StreamDataset, old: list[dict], g: int, G: int) -> dict:
+def derive_state(ds: StreamSet, old: list[dict], g: int, G: int) -> dict:
     """Worker g of G's start from every worker state ``old`` of a run with another worker count."""
     G_old = old[0]["workers"]
     if G_old == G:  # same global worker count (e.g. 2 ranks x 2 workers -> 4 x 1): positions carry over exactly

@@ -186,7 +186,7 @@ def flex_hard_attention(
 
     structure = cached_block_mask(
         ("focus_band", tq, tk, window, str(q.device)),
-        lambda: BlockMask.from_kv_blocks(  # type: ignore[misc]  # mypy misreads the star-args
+        lambda: BlockMask.from_kv_blocks(
             *band_block_mask_tensors(tq, tk, window, device=q.device),
             BLOCK_SIZE=FLEX_BLOCK,
             seq_lengths=(tq, tk),
