@@ -173,7 +173,8 @@ def elastic_two_pass(
 
 
 _COMPILED: Callable[..., Tensor] | None = None
-COMPILE_OPTIONS: dict[str, Any] = dict(dynamic=True)  # lengths are symbolic: decode and variable-length evaluation do not recompile
+# lengths are symbolic: decode and variable-length evaluation do not recompile
+COMPILE_OPTIONS: dict[str, Any] = dict(dynamic=True)
 
 
 def compiled_two_pass() -> Callable[..., Tensor]:
