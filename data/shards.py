@@ -44,10 +44,8 @@ VERSION = 1  # bump when the layout or the meaning of a field changes
 INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 2**28  # 512 MiB of uint16 per shard
-DTYPES: dict[str, np.dtype] = {
-    "uint16": np.dtype("<u2"),
-    "uint32": np.dtype("<u4"),
-}  # explicit byte order: shards are portable
+# explicit byte order: shards are portable
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def shard_dtype(vocab_size: int) -> str:
