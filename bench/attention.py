@@ -42,9 +42,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from bench.memory import PeakMemory, cache_nbytes, fix_malloc_for_rss, measure
-from model.attention import KVCache, LayerSpec, build_attention, registry
+from model.attention import Attention, KVCache, LayerSpec, build_attention, registry
 
 HEADS, HEAD_DIM, BATCH = 4, 64, 1
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -87,7 +88,7 @@ CASES: list[Case] = [
 ]
 
 
-def make(kind: str, options: dict[str, Any], max_len: int, device, dtype):
+def make(kind: str, options: dict[str, Any], max_len: int, device: str, dtype: torch.dtype) -> Attention:
     """The case's module, its parameters drawn from a fixed seed: the timing runs, the memory child and the decode
     runs measure the same weights (Focus's groups, and so its cost, depend on its random centroids)."""
     torch.manual_seed(0)
@@ -150,17 +151,17 @@ def memory_child(spec: dict[str, Any]) -> None:
     print(json.dumps(out))
 
 
-def forward(module, q, k, v, hidden, positions) -> None:
+def forward(module: Attention, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, positions: Tensor) -> None:
     with torch.no_grad():
         module(q, k, v, hidden=hidden, positions=positions)
 
 
-def forward_backward(module, q, k, v, hidden, positions) -> None:
+def forward_backward(module: Attention, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, positions: Tensor) -> None:
     q, k, v = (x.detach().requires_grad_(True) for x in (q, k, v))
     module(q, k, v, hidden=hidden, positions=positions).output.float().sum().backward()
 
 
-def random_qkv(t: int, device: str, dtype: torch.dtype, seed: int):
+def random_qkv(t: int, device: str, dtype: torch.dtype, seed: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(BATCH, HEADS, t, HEAD_DIM, generator=g).to(device, dtype) for _ in range(3))
     hidden = torch.randn(BATCH, t, HEADS * HEAD_DIM, generator=g).to(device, dtype)
@@ -171,20 +172,23 @@ class Skipper:
     """Skips a (case, what) at a length where its quadratically scaled time would pass the budget."""
 
     def __init__(self, max_seconds: float):
-        self.max_seconds, self.last = max_seconds, {}
+        self.max_seconds = max_seconds
+        self.last: dict[tuple[str, str], tuple[int, float]] = {}
 
-    def too_slow(self, key, t: int) -> float | None:
+    def too_slow(self, key: tuple[str, str], t: int) -> float | None:
         if key not in self.last:
             return None
         t0, s0 = self.last[key]
         predicted = s0 * (t / t0) ** 2
         return predicted if predicted > self.max_seconds else None
 
-    def record(self, key, t: int, seconds: float) -> None:
+    def record(self, key: tuple[str, str], t: int, seconds: float) -> None:
         self.last[key] = (t, seconds)
 
 
-def focus_groups(module, q, k, v, hidden, positions) -> dict[str, float]:
+def focus_groups(
+    module: Attention, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, positions: Tensor
+) -> dict[str, float]:
     """Largest group's share of tokens and the share of causal pairs the hard mask keeps, from one untimed call."""
     module.collect_stats = True
     with torch.no_grad():
@@ -202,7 +206,15 @@ RATIOS = {
 
 
 def bench_forward(
-    cases, lengths, device, dtype, repeat, dense_gib, max_seconds, skipped: list[str], cpu_memory: bool = True
+    cases: list[Case],
+    lengths: list[int],
+    device: str,
+    dtype: torch.dtype,
+    repeat: int,
+    dense_gib: float,
+    max_seconds: float,
+    skipped: list[str],
+    cpu_memory: bool = True,
 ) -> list[dict[str, Any]]:
     """Forward (and forward+backward) rows per case and length; ``cpu_memory=False`` leaves out the CPU peak-memory
     child (a process per length: too slow for a smoke run)."""
@@ -269,7 +281,9 @@ def bench_forward(
     return rows
 
 
-def _decode_step(module, q, k, v, hidden, cache, a: int, b: int, device) -> None:
+def _decode_step(
+    module: Attention, q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, cache: KVCache, a: int, b: int, device: str
+) -> None:
     module(
         q[:, :, a:b],
         k[:, :, a:b],
@@ -280,7 +294,17 @@ def _decode_step(module, q, k, v, hidden, cache, a: int, b: int, device) -> None
     )
 
 
-def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipped: list[str], prefill_chunk=1024):
+def bench_decode(
+    cases: list[Case],
+    contexts: list[int],
+    device: str,
+    dtype: torch.dtype,
+    steps: int,
+    rounds: int,
+    dense_gib: float,
+    skipped: list[str],
+    prefill_chunk: int = 1024,
+) -> list[dict[str, Any]]:
     """Fill a KV cache per case to ``context`` tokens (chunked prefill through the variant, so caches that keep state
     build it; full attention's cache is filled directly), then time ``rounds`` rounds of ``steps`` single-token decode
     calls after one untimed warm-up round, the cases taking turns within each round, so that a change in the
@@ -290,7 +314,7 @@ def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipp
     for ctx in contexts:
         total = ctx + steps * (rounds + 1)
         q, k, v, hidden = random_qkv(total, device, dtype, seed=ctx)
-        live = []  # [case, module, cache, times]
+        live: list[list[Any]] = []  # [case, module, cache, times]
         for case in [c for c in cases if c.decode]:
             if device == "cpu" and case.dense and BATCH * HEADS * prefill_chunk * ctx * 4 > dense_gib * 2**30:
                 skipped.append(f"{case.label} decode at {ctx}: its prefill chunks hold chunk x context scores")
@@ -326,17 +350,18 @@ def bench_decode(cases, contexts, device, dtype, steps, rounds, dense_gib, skipp
                     msg = str(err).splitlines()[0][:160]
                     skipped.append(f"{case.label} decode at {ctx}: {type(err).__name__}: {msg}")
                     live.remove(entry)
-        base = None
+        base: dict[str, Any] | None = None
         for case, module, cache, times in live:
-            row = {
+            row: dict[str, Any] = {
                 "case": case.label,
                 "kind": case.kind,
                 "context": ctx,
                 "ms_per_token": statistics.median(times) * 1e3,
                 "cache_bytes": cache_nbytes(cache),
             }
-            if hasattr(module, "cache_size"):  # DGA: key/value slots it reads against full attention's
-                row["kv_slots"] = module.cache_size(cache).get("dga_kv_slots")
+            cache_size = getattr(module, "cache_size", None)
+            if cache_size is not None:  # DGA: key/value slots it reads against full attention's
+                row["kv_slots"] = cache_size(cache).get("dga_kv_slots")
             if base is None:
                 base = row
             row["time_ratio"] = row["ms_per_token"] / base["ms_per_token"]

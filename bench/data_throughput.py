@@ -31,9 +31,14 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from data.shards import PreparedDataset
+    from data.tokenizer import Tokenizer
 
 TARGET_MEMMAP = 1_000_000  # tokens/s per process the memmap path must reach
 
@@ -67,7 +72,7 @@ def timed(fn: Callable[[], int], seconds: float, min_calls: int = 3) -> float:
 # ---- data paths -----------------------------------------------------------------------------
 
 
-def memmap_rate(dataset, batch: int, seconds: float) -> float:
+def memmap_rate(dataset: PreparedDataset, batch: int, seconds: float) -> float:
     rng = np.random.default_rng(0)
     n = len(dataset)
 
@@ -78,7 +83,7 @@ def memmap_rate(dataset, batch: int, seconds: float) -> float:
     return timed(step, seconds)
 
 
-def tokenise_rate(tokenizer, texts: list[str], seconds: float, chunk: int = 16) -> float:
+def tokenise_rate(tokenizer: Tokenizer, texts: list[str], seconds: float, chunk: int = 16) -> float:
     chunks = [texts[i : i + chunk] for i in range(0, len(texts), chunk)]
     state = {"i": 0}
 
@@ -90,7 +95,7 @@ def tokenise_rate(tokenizer, texts: list[str], seconds: float, chunk: int = 16) 
     return timed(step, seconds, min_calls=1)
 
 
-def streaming_row(tokenizer, folder: str, batch: int, seq_len: int, seconds: float) -> Row:
+def streaming_row(tokenizer: Tokenizer, folder: str, batch: int, seq_len: int, seconds: float) -> Row:
     """data.streaming's loader over the same documents, in this process (num_workers = 0), if it runs."""
     name = f"streaming: data.streaming.build_stream_loader, in-process ({batch} x {seq_len})"
     try:
@@ -198,7 +203,7 @@ def fmt_ratio(x: float | None, base: float) -> str:
     return "-" if x is None else f"{x / base:,.1f}"
 
 
-def report(args, rows: list[Row], models: list[ModelRate], corpus: str) -> str:
+def report(args: argparse.Namespace, rows: list[Row], models: list[ModelRate], corpus: str) -> str:
     lines = [
         "## Data throughput",
         "",
@@ -217,6 +222,7 @@ def report(args, rows: list[Row], models: list[ModelRate], corpus: str) -> str:
         ratios = " | ".join(fmt_ratio(r.tokens_per_s, m.tokens_per_s) for m in models)
         lines.append(f"| {r.name} | {fmt_rate(r.tokens_per_s)} | {ratios} | {r.note} |")
     memmap = rows[0].tokens_per_s
+    assert memmap is not None  # the memmap row is always measured
     verdict = "met" if memmap >= TARGET_MEMMAP else "NOT met"
     lines += ["", f"Memmap path: {memmap:,.0f} tokens/s per process (target >= {TARGET_MEMMAP:,}: {verdict})."]
     return "\n".join(lines)

@@ -54,7 +54,7 @@ def environment(device: str, command: str) -> dict[str, Any]:
     else:
         name, memory = cpu_name(), f"{os.cpu_count()} cores"
     return {
-        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": name,
         "device_memory": memory,
         "torch": torch.__version__,

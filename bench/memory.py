@@ -28,16 +28,21 @@ def fix_malloc_for_rss() -> bool:
 
 def _status_kib(key: str) -> int:
     with open("/proc/self/status") as f:
-        return int(re.search(rf"^{key}:\s+(\d+)", f.read(), re.M).group(1))
+        match = re.search(rf"^{key}:\s+(\d+)", f.read(), re.M)
+    if match is None:  # a kernel without this field: unmeasurable, as an unreadable file is
+        raise OSError(f"/proc/self/status has no {key}")
+    return int(match.group(1))
 
 
 class PeakMemory:
     """Peak bytes added during the ``with`` block (see the module docstring); ``peak`` is None where unmeasurable."""
 
     def __init__(self, device: str):
-        self.device, self.peak = device, None
+        self.device = device
+        self.peak: int | None = None
+        self.base: int | None = None
 
-    def __enter__(self):
+    def __enter__(self) -> PeakMemory:
         if self.device not in ("cuda", "cpu"):
             return self
         if self.device == "cuda":
@@ -53,11 +58,12 @@ class PeakMemory:
             self.base = None
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         if self.device not in ("cuda", "cpu"):
             return
         if self.device == "cuda":
             torch.cuda.synchronize()
+            assert self.base is not None  # set by __enter__ on CUDA
             self.peak = torch.cuda.max_memory_allocated() - self.base
         elif self.base is not None:
             self.peak = max(0, _status_kib("VmHWM") * 1024 - self.base)
@@ -75,7 +81,8 @@ def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         peaks.append(mem.peak)
-    return statistics.median(times), (None if None in peaks else int(statistics.median(peaks)))
+    measured = [p for p in peaks if p is not None]
+    return statistics.median(times), (None if len(measured) < len(peaks) else int(statistics.median(measured)))
 
 
 def cache_nbytes(cache: KVCache) -> int:
@@ -84,7 +91,7 @@ def cache_nbytes(cache: KVCache) -> int:
     seen: dict[int, int] = {}
     visited: set[int] = set()
 
-    def visit(x) -> None:
+    def visit(x: object) -> None:
         if isinstance(x, torch.Tensor):
             storage = x.untyped_storage()
             seen[storage.data_ptr() or id(storage)] = storage.nbytes()

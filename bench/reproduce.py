@@ -27,8 +27,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "english_novels"
@@ -66,7 +68,7 @@ _QUICK = dict(
     _FULL, name="quick", d_model=64, n_heads=2, d_ff=172, steps=60, warmup_steps=10, data_bytes=3_000_000,
     val_windows=32, log_every=10, length_tokens=4096, prescored_windows=8,
 )  # fmt: skip
-BUDGETS = {"full": _FULL, "quick": _QUICK}
+BUDGETS: dict[str, dict[str, Any]] = {"full": _FULL, "quick": _QUICK}
 
 # a run trained only to be measured: no periodic checkpoints (one kept) or evaluation, no loggers
 MEASUREMENT_RUN = [
@@ -174,7 +176,7 @@ def git_version() -> str:
         return "unknown"
 
 
-def run_jobs(jobs: list[dict], n_workers: int, say) -> list[dict]:
+def run_jobs(jobs: list[dict], n_workers: int, say: Callable[[str], None]) -> list[dict]:
     from bench.reproduce_arms import run_arm
 
     done: list[dict] = []
@@ -304,6 +306,7 @@ def prepare_corpus(common: list[str]) -> dict:
     from run.config import load_run_config
 
     corpus = corpus_for(load_run_config(None, [*common, "run.dir=unused"]))
+    assert corpus.train is not None and corpus.val is not None  # a prepared corpus has both splits
     return {"train_tokens": int(len(corpus.train.tokens)), "val_tokens": int(len(corpus.val.tokens))}
 
 

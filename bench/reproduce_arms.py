@@ -21,24 +21,25 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor, nn
 
 from core.errors import check_min
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, register_attention
+from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
 
-try:  # the variant-config base class (newer registry); plain dataclasses work with the older one
-    from model.attention.base import VariantConfig
-except ImportError:  # pragma: no cover - depends on the registry's version
-    VariantConfig = object  # type: ignore[assignment,misc]
+if TYPE_CHECKING:
+    from data.build import Corpus
+    from model.transformer import Transformer
+    from run.config import RunConfig
 
 
 # ---- the local-window-only baseline ---------------------------------------------------------
 @dataclass
-class LocalWindowConfig(VariantConfig):  # type: ignore[misc,valid-type]
+class LocalWindowConfig(VariantConfig):
     window: int = 32  # query i attends keys j with i - window < j <= i
 
     def validate(self, prefix: str = "model.attention.local_window.") -> None:
@@ -54,16 +55,20 @@ class LocalWindowAttention(Attention):
     def _mask(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         return ref.causal_mask(q_pos, k_pos) & ((q_pos[:, None] - k_pos[None, :]) < self.cfg.window)
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         scale = 1.0 / math.sqrt(self.spec.head_dim)
         p = ref.masked_softmax(ref.scores(q, k, scale), self._mask(q_pos, k_pos))
         stats = ref.sink_and_density(p, k_pos) if self.collect_stats else {}
         return AttnOut(ref.weighted_values(p, v, q.dtype), stats=stats)
 
-    def has_fast_path(self, q, cache) -> bool:
+    def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         mask = self._mask(q_pos, k_pos)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.spec.head_dim), enable_gqa=k.shape[1] != q.shape[1]
@@ -142,10 +147,10 @@ def _toml(value: Any) -> str:
 
 
 # ---- evaluation helpers (all through eval/ and run/) ----------------------------------------
-_CORPUS: dict[str, Any] = {}
+_CORPUS: dict[str, Corpus] = {}
 
 
-def corpus_for(cfg) -> Any:
+def corpus_for(cfg: RunConfig) -> Corpus:
     """The run's corpus (tokenizer and packed splits), built once per process from the data cache."""
     from data.build import build_corpus
 
@@ -156,19 +161,20 @@ def corpus_for(cfg) -> Any:
     return _CORPUS[key]
 
 
-def windows(corpus, n: int) -> list[torch.Tensor]:
+def windows(corpus: Corpus, n: int) -> list[torch.Tensor]:
     """The first ``n`` held-out sequences ([T + 1] each): the same tokens for every arm."""
+    assert corpus.val is not None  # a prepared corpus has its split
     return [corpus.val[i] for i in range(min(n, len(corpus.val)))]
 
 
-def loss_on(model, wins: list[torch.Tensor], batch: int = 16) -> float:
+def loss_on(model: Transformer, wins: list[torch.Tensor], batch: int = 16) -> float:
     from eval.perplexity import mean_loss
 
     batches = (torch.stack(wins[i : i + batch]) for i in range(0, len(wins), batch))
     return mean_loss(model, batches, device=torch.device("cpu"))[0]
 
 
-def attention_stats(model, wins: list[torch.Tensor], n: int = 8) -> dict[str, float]:
+def attention_stats(model: Transformer, wins: list[torch.Tensor], n: int = 8) -> dict[str, float]:
     """Sink ratio, density (and the variant's other statistics), mean over layers, dense reference path."""
     from eval.attention_stats import layer_statistics
 
@@ -177,10 +183,16 @@ def attention_stats(model, wins: list[torch.Tensor], n: int = 8) -> dict[str, fl
     return {key.rsplit("/", 1)[-1]: value for key, value in mean.items()}
 
 
-def loss_by_length(model, corpus, seq_len: int, multiples: list[int], max_tokens: int) -> dict[str, dict]:
+def loss_by_length(
+    model: Transformer, corpus: Corpus, seq_len: int, multiples: list[int], max_tokens: int
+) -> dict[str, dict]:
     from eval.length import loss_by_length as measure
 
-    found = measure(model, corpus.val.tokens, [seq_len * m for m in multiples], max_tokens=max_tokens, device="cpu")
+    assert corpus.val is not None  # a prepared corpus has its split
+
+    found = measure(
+        model, corpus.val.tokens, [seq_len * m for m in multiples], max_tokens=max_tokens, device=torch.device("cpu")
+    )
     return {str(length): r for length, r in found.items()}
 
 
@@ -195,9 +207,11 @@ def focus_topk(ckpt: Path, wins: list[torch.Tensor], n_groups: int) -> dict[str,
     return out
 
 
-def kv_cache_bytes(model, corpus, contexts: list[int]) -> dict[str, dict]:
+def kv_cache_bytes(model: Transformer, corpus: Corpus, contexts: list[int]) -> dict[str, dict]:
     """Bytes every layer's KV cache holds after prefilling ``L`` held-out tokens and decoding one more."""
     from model.attention.base import kv_cache_nbytes
+
+    assert corpus.val is not None  # a prepared corpus has its split
 
     out = {}
     tokens = torch.from_numpy(corpus.val.tokens[: max(contexts) + 1].astype("int64"))[None]
@@ -210,24 +224,24 @@ def kv_cache_bytes(model, corpus, contexts: list[int]) -> dict[str, dict]:
             model(tokens[:, :length], caches=caches)
             model(tokens[:, length : length + 1], caches=caches)
         row: dict[str, Any] = {"bytes": sum(kv_cache_nbytes(c) for c in caches)}
-        core = model.blocks[0].attn.core
-        if hasattr(core, "cache_size"):
-            row["slots_layer0"] = core.cache_size(caches[0])
+        cache_size = getattr(model.blocks[0].attn.core, "cache_size", None)  # a variant's own slot count (DGA)
+        if cache_size is not None:
+            row["slots_layer0"] = cache_size(caches[0])
         out[str(length)] = row
     return out
 
 
-def _capture_attention(model, batch: torch.Tensor) -> list[dict]:
+def _capture_attention(model: Transformer, batch: torch.Tensor) -> list[dict]:
     """Each layer's attention inputs (q, k, v, hidden, positions) and exact output on ``batch``."""
     captured: list[dict] = [{} for _ in model.blocks]
     hooks = []
     for i, block in enumerate(model.blocks):
         core = block.attn.core
 
-        def before(module, args, kwargs, i=i):
+        def before(module: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
             captured[i].update(q=args[0], k=args[1], v=args[2], hidden=kwargs["hidden"], positions=kwargs["positions"])
 
-        def after(module, args, kwargs, out, i=i):
+        def after(module: nn.Module, args: tuple, kwargs: dict, out: AttnOut, i: int = i) -> None:
             captured[i]["out"] = out.output
 
         hooks.append(core.register_forward_pre_hook(before, with_kwargs=True))
@@ -241,7 +255,7 @@ def _capture_attention(model, batch: torch.Tensor) -> list[dict]:
     return captured
 
 
-def prescored_sweep(ckpt: Path, model, wins: list[torch.Tensor], sweep: dict) -> dict:
+def prescored_sweep(ckpt: Path, model: Transformer, wins: list[torch.Tensor], sweep: dict) -> dict:
     """Perplexity and attention output error of pre-scored HyperAttention (and plain HyperAttention,
     top_k = 0) swapped in at inference for the trained full-attention model's attention."""
     from run.checkpoint import load_model

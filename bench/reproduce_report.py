@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.reproduce_arms import ARMS
 from bench.reproduce_claims import GROUPS, mean, spread
 from core.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 Results = dict[str, list[dict]]
 
@@ -33,7 +36,7 @@ def plots(folder: Path, results: Results, budget: dict, groups: list[str]) -> di
 
     made: dict[str, str] = {}
 
-    def save(fig, name: str, title: str) -> None:
+    def save(fig: Figure, name: str, title: str) -> None:
         fig.tight_layout()
         fig.savefig(folder / name, dpi=110)
         plt.close(fig)

@@ -21,9 +21,12 @@ import typing
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
 from core.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the same parser, as a package (a dependency there)
+    import tomli as tomllib
 
 
 def _public_fields(cls_or_obj: Any) -> list[dataclasses.Field]:
@@ -61,7 +64,7 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         raise errors[0]
     if origin in (list, tuple):
         (item_tp, *_) = typing.get_args(tp) or (Any,)
-        if dataclasses.is_dataclass(item_tp):  # an array of tables: [[data.mixture]]
+        if isinstance(item_tp, type) and dataclasses.is_dataclass(item_tp):  # an array of tables: [[data.mixture]]
             if not isinstance(value, list):
                 raise ConfigError(f"{key}: expected a list of tables, got {value!r}")
             return [from_dict(item_tp, v, f"{key}[{i}].") for i, v in enumerate(value)]
@@ -117,7 +120,7 @@ def from_dict(cls: type, data: dict[str, Any], prefix: str = "", base: Any = Non
             allowed = sorted(list(fields) + list(sections))
             raise ConfigError(f"{dotted}: unknown key; {_suggest(key, allowed)}allowed keys: {', '.join(allowed)}")
         tp = hints[key]
-        if dataclasses.is_dataclass(tp):
+        if isinstance(tp, type) and dataclasses.is_dataclass(tp):
             setattr(obj, key, from_dict(tp, value, f"{dotted}.", base=getattr(obj, key)))
         else:
             setattr(obj, key, _coerce(value, tp, dotted))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 
@@ -17,7 +17,7 @@ class ConfigError(ValueError):
     """Invalid configuration or input, detected before any work starts."""
 
 
-def check_choice(key: str, value: object, allowed) -> None:
+def check_choice(key: str, value: object, allowed: Iterable[object]) -> None:
     """``key`` must be one of ``allowed``."""
     allowed = tuple(allowed)
     if value not in allowed:

@@ -12,6 +12,7 @@ import torch
 
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
+    assert isinstance(np_state, tuple)  # the legacy form: get_state's default
     state = {
         "python": list(random.getstate()[1]),
         "python_version": random.getstate()[0],

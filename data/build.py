@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -23,20 +24,24 @@ from data.packing import PackedDataset, pack_documents
 from data.sources import Document, iter_documents
 from data.tokenizer import Tokenizer, get_tokenizer, load_tokenizer
 
+if TYPE_CHECKING:
+    from data.shards import PreparedDataset
+    from data.stream_config import StreamConfig
+
 CACHE_FORMAT = "tokens-v1"  # bump when packing changes, so old caches are not reused
 
 
 @dataclass
 class Corpus:
     tokenizer: Tokenizer
-    train: PackedDataset | None  # None for a stream
-    val: PackedDataset | None  # None: a stream without data.val_path
+    train: PackedDataset | PreparedDataset | None  # None for a stream
+    val: PackedDataset | PreparedDataset | None  # None: a stream without data.val_path
     fingerprint: (
         str  # documents (or stream settings) + tokenizer + split + seq_len: stored in checkpoints, checked at resume
     )
     unigram_entropy: float | None  # nats per token of the training split's unigram distribution (None: a stream)
     num_documents: tuple[int, int]  # (train, val); 0 where unknown (a stream)
-    stream: object = None  # data.streaming.StreamConfig of a streamed run (its seed set by the trainer)
+    stream: StreamConfig | None = None  # data.streaming.StreamConfig of a streamed run (its seed set by the trainer)
 
 
 ENTROPY_SAMPLE = 10_000_000  # tokens of a prepared split the unigram entropy is measured on
@@ -151,7 +156,7 @@ def _stream_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
     stream = cfg.stream_config(seed=0)
     described = repr(sorted((spec.name, round(w, 12)) for spec, w in stream.sources()))
 
-    def sample_texts():
+    def sample_texts() -> Iterator[str]:
         docs = StreamDataset(stream).documents(0, 1)
         for _, doc in zip(range(cfg.tokenizer_sample_docs), docs):
             yield doc.text
@@ -207,7 +212,7 @@ def _packed_corpus(cfg: DataConfig, *, vocab_size: int, log: Callable[[str], Non
     train_docs, val_docs = split_documents(docs, cfg.val_fraction)
     single = len(docs) == 1
 
-    def tokenizer_texts():
+    def tokenizer_texts() -> Iterator[str]:
         if single:  # the held-out tail of a lone document stays out of the tokenizer too
             text = docs[0].text
             return iter([text[: int(len(text) * (1 - cfg.val_fraction))]])

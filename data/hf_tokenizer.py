@@ -74,10 +74,11 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, *, model_max_length: int) -> l
 
 
 def _from_sentencepiece(tok: SentencePieceTokenizer, out: Path, model_max_length: int) -> list[str]:
-    from sentencepiece import sentencepiece_model_pb2
+    # protobuf-generated: the stubs do not declare its message classes
+    from sentencepiece.sentencepiece_model_pb2 import ModelProto  # type: ignore[attr-defined]
     from transformers import AutoTokenizer
 
-    proto = sentencepiece_model_pb2.ModelProto()
+    proto = ModelProto()
     proto.ParseFromString(tok.path.read_bytes())
     unk = tok.sp.unk_id()
     config = {
@@ -99,9 +100,7 @@ def _from_sentencepiece(tok: SentencePieceTokenizer, out: Path, model_max_length
         fast = AutoTokenizer.from_pretrained(tmp, local_files_only=True, trust_remote_code=False)
         fast.save_pretrained(str(out))
     # transformers lists SentencePiece's user-defined pieces ("\n") among the special tokens; they are text
-    user_defined = {
-        p.piece for p in proto.pieces if p.type == sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
-    }
+    user_defined = {p.piece for p in proto.pieces if p.type == ModelProto.SentencePiece.USER_DEFINED}
     saved = json.loads((out / "tokenizer_config.json").read_text(encoding="utf-8"))
     for key in ("extra_special_tokens", "additional_special_tokens"):
         if isinstance(saved.get(key), list):
@@ -113,7 +112,7 @@ def _from_sentencepiece(tok: SentencePieceTokenizer, out: Path, model_max_length
     return sorted(p.name for p in out.iterdir() if p.name.startswith(("tokenizer", "special_tokens")))
 
 
-def _token_text(token) -> str | None:
+def _token_text(token: str | dict | None) -> str | None:
     return token.get("content") if isinstance(token, dict) else token
 
 

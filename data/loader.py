@@ -10,11 +10,18 @@ and the whole loader state is the number of sequences consumed.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from data.packing import PackedDataset
+    from data.shards import PreparedDataset
+    from data.stream_config import StreamConfig
+    from data.tokenizer import Tokenizer
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -24,7 +31,7 @@ def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
 class BatchLoader:
     def __init__(
         self,
-        dataset,
+        dataset: PackedDataset | PreparedDataset,
         *,
         batch_size: int,
         micro_batch_size: int,
@@ -124,8 +131,8 @@ class StreamBatchLoader:
 
     def __init__(
         self,
-        stream,
-        tokenizer,
+        stream: StreamConfig,
+        tokenizer: Tokenizer,
         *,
         seq_len: int,
         batch_size: int,
@@ -145,7 +152,7 @@ class StreamBatchLoader:
         )
         self._build(None)
 
-    def _build(self, resume_from) -> None:
+    def _build(self, resume_from: list[dict] | None) -> None:
         from data.streaming import build_stream_loader
 
         self.loader = build_stream_loader(
@@ -158,7 +165,7 @@ class StreamBatchLoader:
             seed=self.seed,
             resume_from=resume_from,
         )
-        self._it = None
+        self._it: Iterator[torch.Tensor] | None = None
 
     def next_step(self) -> list[torch.Tensor]:
         if self._it is None:
@@ -187,7 +194,7 @@ class StreamBatchLoader:
 
 
 def eval_batches(
-    dataset, *, batch_size: int, max_batches: int, rank: int = 0, world_size: int = 1
+    dataset: PackedDataset | PreparedDataset, *, batch_size: int, max_batches: int, rank: int = 0, world_size: int = 1
 ) -> Iterator[torch.Tensor]:
     """A fixed validation set: the first ``batch_size * world_size * max_batches`` sequences in
     order (a multiple of the world size), each global batch split into equal contiguous

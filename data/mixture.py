@@ -19,12 +19,33 @@ existed has no "weighting": it is document-weighted and its stream stays so (and
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import numpy as np
 import torch
 
 from data.source_stream import MIX, SourceStream, StreamDoc, rng
+
+if TYPE_CHECKING:
+    import datasets
+
+    from data.stream_sources import SourceSpec
+    from data.tokenizer import Tokenizer
+
+
+class StreamSet(Protocol):
+    """What the mixers (and data.stream_resume) read of a ``data.streaming.StreamDataset``; a protocol, since
+    that module imports this one."""
+
+    tokenizer: Tokenizer | None
+    seq_len: int
+    seed: int
+    window: int
+    specs: list[SourceSpec]
+    bases: list[datasets.IterableDataset]
+    weights: list[float]
+    source_names: list[str]
+
 
 STATE_FORMAT = "stream-v1"
 MIX_BLOCK = 1024  # mixture draws generated per RNG
@@ -84,7 +105,7 @@ class _Mixer:
 
     weighting = ""
 
-    def __init__(self, ds, g: int, G: int, state: dict, *, tokenize: bool):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool):
         self.ds, self.g, self.G = ds, g, G
         tok = ds.tokenizer if tokenize else None
         self.streams = [
@@ -121,7 +142,7 @@ class DocumentMixer(_Mixer):
 
     weighting = "documents"
 
-    def __init__(self, ds, g: int, G: int, state: dict, *, tokenize: bool = True):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool = True):
         super().__init__(ds, g, G, state, tokenize=tokenize)
         self.draws = state["draws"]
         self._block: tuple[int, np.ndarray] | None = None
@@ -164,10 +185,14 @@ class DocumentMixer(_Mixer):
 
     def sequence(self, T: int) -> tuple[np.ndarray, np.ndarray]:
         """T + 1 tokens and their document indices; the last token opens the next sequence."""
-        need, parts, ids = T + 1, [], []
+        need = T + 1
+        parts: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
         while need:
-            if self.current < 0 or self.offset >= len(self.doc_tokens):
+            doc_tokens = self.doc_tokens if self.current >= 0 else None
+            if doc_tokens is None or self.offset >= len(doc_tokens):
                 self._take()
+            assert self.doc_tokens is not None  # packing sequences needs the tokenizer
             piece = self.doc_tokens[self.offset : self.offset + need]
             parts.append(piece)
             ids.append(np.full(len(piece), len(ids), dtype=np.int64))
@@ -198,7 +223,7 @@ class TokenMixer(_Mixer):
 
     weighting = "tokens"
 
-    def __init__(self, ds, g: int, G: int, state: dict, *, tokenize: bool = True):
+    def __init__(self, ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool = True):
         super().__init__(ds, g, G, state, tokenize=tokenize)
         self.picks = list(state["picks"])
         self.lanes: list[_Lane | None] = [None] * len(self.streams)
@@ -229,7 +254,9 @@ class TokenMixer(_Mixer):
         """T + 1 tokens of one source and their document indices (None, None without a tokenizer)."""
         src = self._pick()
         self.picks[src] += 1
-        need, parts, ids = T + 1, [], []
+        need = T + 1
+        parts: list[np.ndarray] = []
+        ids: list[np.ndarray] = []
         lane = self.lanes[src]
         while need:
             if lane is None or lane.offset >= lane.size:
@@ -241,6 +268,7 @@ class TokenMixer(_Mixer):
             self.counts[src] += take - (1 if need == T + 1 else 0)  # targets only
             lane.offset += take
             need -= take
+        assert lane is not None  # need >= 1: the loop opened one
         lane.offset -= 1
         return (np.concatenate(parts), np.concatenate(ids)) if parts else (None, None)
 
@@ -254,6 +282,6 @@ class TokenMixer(_Mixer):
             self.opened.clear()
 
 
-def make_mixer(ds, g: int, G: int, state: dict, *, tokenize: bool) -> DocumentMixer | TokenMixer:
+def make_mixer(ds: StreamSet, g: int, G: int, state: dict, *, tokenize: bool) -> DocumentMixer | TokenMixer:
     cls = TokenMixer if weighting_of(state) == "tokens" else DocumentMixer
     return cls(ds, g, G, state, tokenize=tokenize)

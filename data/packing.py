@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16) if vocab_size <= np.iinfo(np.uint16).max + 1 else np.dtype(np.uint32)
 
 
-def pack_documents(texts: Iterable[str], tokenizer, *, chunk: int = 256) -> np.ndarray:
+def pack_documents(texts: Iterable[str], tokenizer: Tokenizer, *, chunk: int = 256) -> np.ndarray:
     """Tokenise ``texts`` (in batches of ``chunk`` documents) and concatenate, EOS after each."""
     dtype = token_dtype(tokenizer.vocab_size)
     parts: list[np.ndarray] = []

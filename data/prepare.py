@@ -20,6 +20,8 @@ import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
+from typing import NoReturn
 
 import numpy as np
 from tqdm import tqdm
@@ -136,6 +138,7 @@ def _worker_init(tokenizer: Tokenizer | str) -> None:
 
 
 def _worker_encode(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _WORKER_TOKENIZER is not None  # _worker_init ran in this worker
     return encode_chunk(_WORKER_TOKENIZER, texts)
 
 
@@ -321,7 +324,7 @@ def _cli_message(message: str) -> str:
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse's default also prints the usage)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's default also prints the usage)
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
@@ -366,7 +369,7 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised where the main thread is, so cleanup runs as for Ctrl-C."""
 
 
-def _terminate(signum, frame) -> None:
+def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated(signum)
 
 

@@ -24,14 +24,17 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, BinaryIO, SupportsIndex
 
 import numpy as np
+from numpy.typing import ArrayLike, DTypeLike
 
 from core.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
+
+    from data.tokenizer import Tokenizer
 
 # torch is imported where a tensor is made: tokenising workers import this module (via data.prepare)
 # and should start in a fraction of a second, not the seconds torch takes.
@@ -41,7 +44,8 @@ VERSION = 1  # bump when the layout or the meaning of a field changes
 INDEX_FILE = "index.json"
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 2**28  # 512 MiB of uint16 per shard
-DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}  # explicit byte order: shards are portable
+# explicit byte order: shards are portable
+DTYPES: dict[str, np.dtype] = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 
 
 def shard_dtype(vocab_size: int) -> str:
@@ -86,7 +90,7 @@ class SplitWriter:
         self.directory, self.split = Path(directory), split
         self.dtype, self.cap = DTYPES[dtype], shard_tokens
         self.record = record if record is not None else SplitRecord()
-        self._file = None
+        self._file: BinaryIO | None = None
         if record is not None:
             self._reopen()
 
@@ -117,7 +121,8 @@ class SplitWriter:
         while pos < len(tokens):
             shard = self._current_shard()
             take = min(self.cap - shard.tokens, len(tokens) - pos)
-            self._file.write(memoryview(tokens[pos : pos + take]).cast("B"))
+            assert self._file is not None  # _current_shard opened it
+            self._file.write(tokens[pos : pos + take].data.cast("B"))
             shard.tokens += take
             pos += take
         self.record.tokens += len(tokens)
@@ -160,7 +165,7 @@ def data_fingerprint(
 
 def make_index(
     *,
-    tokenizer,
+    tokenizer: Tokenizer,
     tokenizer_file: str,
     splits: dict[str, SplitRecord],
     content_sha256: str,
@@ -273,7 +278,7 @@ class TokenStream:
                 self.read_into(starts[row], out[row])
         return out
 
-    def __getitem__(self, key):
+    def __getitem__(self, key: SupportsIndex | slice) -> Any:  # tokens for a slice, one token for an index
         n = len(self)
         if isinstance(key, slice):
             start, stop, step = key.indices(n)
@@ -301,7 +306,7 @@ class TokenStream:
             "re-run python -m data.prepare"
         )
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         whole = self.shard(0) if len(self.paths) == 1 else self[:]
         return whole if dtype is None else whole.astype(dtype)
 
@@ -326,7 +331,7 @@ class PreparedDataset:
     def __len__(self) -> int:
         return max(0, (len(self.stream) - 1) // self.seq_len)
 
-    def _starts(self, indices) -> np.ndarray:
+    def _starts(self, indices: ArrayLike) -> np.ndarray:
         idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         n = len(self)
         if idx.size and (idx.min() < 0 or idx.max() >= n):
@@ -338,7 +343,7 @@ class PreparedDataset:
 
         return self.batch([int(i)])[0]
 
-    def batch(self, indices: Sequence[int]) -> torch.Tensor:
+    def batch(self, indices: Sequence[int] | np.ndarray) -> torch.Tensor:
         """LongTensor [len(indices), seq_len + 1]."""
         import torch
 
@@ -353,7 +358,7 @@ class PreparedDataset:
 # ---- opening ------------------------------------------------------------------------------
 
 
-def _field(index: dict, path: str, kind: type | tuple[type, ...], where: Path):
+def _field(index: dict, path: str, kind: type | tuple[type, ...], where: Path) -> Any:
     value = index
     for key in path.split("."):
         if not isinstance(value, dict) or key not in value:
@@ -448,7 +453,7 @@ def open_prepared(directory: str | Path, seq_len: int) -> tuple[PreparedDataset,
     return train, val, index
 
 
-def load_prepared_tokenizer(directory: str | Path, index: dict):
+def load_prepared_tokenizer(directory: str | Path, index: dict) -> Tokenizer:
     """The tokenizer copied into the folder, checked against the fingerprint in the index."""
     from data.tokenizer import load_tokenizer
 

@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from core.errors import ConfigError
 from data.sources import normalise_text
 from data.stream_sources import LOCAL, Cursor, ShardReader, SourceSpec
+
+if TYPE_CHECKING:
+    import datasets
+
+    from data.tokenizer import Tokenizer
 
 UNSHUFFLED_WINDOW = 256  # window length when shuffling is off (windows then only batch the tokeniser)
 _SHARDS, _WINDOW, MIX = 1, 2, 3  # RNG stream tags (MIX: the mixture's document draws)
@@ -54,7 +60,16 @@ class SourceStream:
     """
 
     def __init__(
-        self, spec: SourceSpec, base, *, seed: int, window: int, worker: int, workers: int, tokenizer, state: dict
+        self,
+        spec: SourceSpec,
+        base: datasets.IterableDataset,
+        *,
+        seed: int,
+        window: int,
+        worker: int,
+        workers: int,
+        tokenizer: Tokenizer | None,
+        state: dict,
     ):
         self.spec, self.base, self.seed, self.tokenizer = spec, base, seed, tokenizer
         self.shuffle = window > 0
@@ -74,6 +89,7 @@ class SourceStream:
         self._kept_in_epoch: int | None = 0 if clean else None  # unknown when restored mid-epoch
         self._reader: ShardReader | None = None
         self._kept: list[tuple[int, StreamDoc]] | None = None
+        self._tokens: list[np.ndarray] | None = None
 
     @staticmethod
     def fresh_state() -> dict:
@@ -162,6 +178,7 @@ class SourceStream:
 
     def _window_tokens(self) -> list[np.ndarray]:
         if self._tokens is None:  # the whole window in one encode_batch call
+            assert self._kept is not None and self.tokenizer is not None
             eos = self.tokenizer.eos_id
             self._tokens = [
                 np.asarray([*ids, eos], dtype=np.int64)
@@ -174,6 +191,7 @@ class SourceStream:
         while True:
             if self._kept is None:
                 self._load_window()
+            assert self._kept is not None  # _load_window sets it
             if self._i < len(self._kept):
                 pos, doc = self._kept[self._i]
                 tokens = self._window_tokens()[self._i] if self.tokenizer is not None else None

@@ -12,10 +12,20 @@ import glob
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 from core.errors import ConfigError
 from data.documents import Document, normalise_text
 from data.embedded import iter_embedded
+
+
+class DocumentSource(Protocol):
+    """What ``iter_documents`` reads of a ``DataConfig`` (a protocol: data.config imports this module, indirectly)."""
+
+    source: str
+    path: str
+    text_field: str
+
 
 EXTENSIONS = (".txt", ".jsonl", ".parquet")
 _GLOB_CHARS = "*?["
@@ -119,7 +129,7 @@ def iter_local(path: str, text_field: str = "text") -> Iterator[Document]:
             yield from _read_parquet(f, name, text_field)
 
 
-def iter_documents(cfg) -> Iterator[Document]:
+def iter_documents(cfg: DocumentSource) -> Iterator[Document]:
     """Documents of ``cfg.source`` (a DataConfig) in a deterministic order."""
     if cfg.source == "embedded":
         return iter_embedded()

@@ -6,16 +6,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from core.errors import ConfigError
-from data.mixture import STATE_FORMAT, fresh_state, keep_legacy, pending, weighting_of
+from data.mixture import STATE_FORMAT, StreamSet, fresh_state, keep_legacy, pending, weighting_of
 from data.source_stream import UNSHUFFLED_WINDOW
 from data.stream_sources import LOCAL
 
 
-def find_states(obj) -> list[dict]:
+def find_states(obj: object) -> list[dict]:
     """Our per-worker states anywhere inside a loader state (or a list of them), in worker order."""
     found: list[dict] = []
 
-    def walk(x) -> None:
+    def walk(x: object) -> None:
         if isinstance(x, dict):
             if x.get("format") == STATE_FORMAT:
                 found.append(x)
@@ -30,7 +30,7 @@ def find_states(obj) -> list[dict]:
     return sorted(found, key=lambda s: s["worker"])
 
 
-def token_counts(loader_state, source_names: Sequence[str] | None = None) -> dict[str, int]:
+def token_counts(loader_state: object, source_names: Sequence[str] | None = None) -> dict[str, int]:
     """Target tokens per source summed over the worker states in ``loader_state`` (one rank's, or all ranks')."""
     states = find_states(loader_state)
     names = list(source_names or (states[0]["sources"] if states else []))
@@ -71,7 +71,7 @@ def check_resume_states(states: list[dict]) -> None:
         )
 
 
-def derive_state(ds, old: list[dict], g: int, G: int) -> dict:
+def derive_state(ds: StreamSet, old: list[dict], g: int, G: int) -> dict:
     """Worker g of G's start from every worker state ``old`` of a run with another worker count."""
     G_old = old[0]["workers"]
     if G_old == G:  # same global worker count (e.g. 2 ranks x 2 workers -> 4 x 1): positions carry over exactly

@@ -15,11 +15,17 @@ own ``state_dict`` / ``load_state_dict``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from core.errors import ConfigError
 from data.sources import _doc_name, _root, resolve_paths
+
+if TYPE_CHECKING:
+    import datasets
 
 LOCAL = "local"
 READ_BATCH = 256  # rows per datasets read; a restore re-reads at most one read batch
@@ -86,7 +92,7 @@ class SourceSpec:
     def builder(self) -> str:
         return BUILDERS[Path(self.files[0]).suffix]
 
-    def open(self):
+    def open(self) -> datasets.IterableDataset:
         """The source as a streaming ``datasets.IterableDataset`` holding only the columns we read."""
         import datasets  # the module attribute is looked up at call time, so tests can monkeypatch load_dataset
 
@@ -108,7 +114,7 @@ class SourceSpec:
             ds = ds.select_columns(columns)
         return ds
 
-    def _load_hub(self, datasets):
+    def _load_hub(self, datasets: ModuleType) -> datasets.IterableDataset:
         """``load_dataset(repo or mirror, config, split, streaming=True)``; its refusals as one-line errors."""
         assert self.hub is not None
         where = self.mirror or self.hub.path
@@ -266,10 +272,10 @@ def _values(batch: dict, path: str, name: str) -> list:
 class ShardReader:
     """Rows of one epoch's shard list read with datasets (``IterableDataset.shard`` + ``iter``), from a cursor."""
 
-    def __init__(self, spec: SourceSpec, base, shards: list[int], cursor: Cursor):
+    def __init__(self, spec: SourceSpec, base: datasets.IterableDataset, shards: list[int], cursor: Cursor):
         self.spec, self.base, self.shards = spec, base, shards
         self.cursor = replace(cursor)
-        self._it = None
+        self._it: Iterator[dict[str, Any]] | None = None
         self._batch: list[tuple[str | None, str | None]] = []
 
     def _open(self) -> None:
@@ -285,6 +291,7 @@ class ShardReader:
     def _pull(self) -> tuple[dict | None, list] | None:
         """The next read batch and the datasets state at its start."""
         start = self._next_hf
+        assert self._it is not None  # _open sets it
         try:
             batch = next(self._it)
         except StopIteration:

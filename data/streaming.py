@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -28,6 +29,9 @@ from data.stream_resume import (
 )
 from data.stream_sources import HUB_SOURCES, HubSource, SourceSpec
 from model.documents import document_mask, document_positions  # noqa: F401  (re-exported: the streams' doc ids feed them)
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 __all__ = [
     "HUB_SOURCES",
@@ -57,12 +61,12 @@ class StreamDataset(torch.utils.data.IterableDataset):
     def __init__(
         self,
         cfg: StreamConfig,
-        tokenizer=None,
+        tokenizer: Tokenizer | None = None,
         *,
         seq_len: int = 0,
         rank: int = 0,
         world_size: int = 1,
-        resume_from=None,
+        resume_from: object = None,
     ):
         check_min("world size", world_size, 1)
         if not 0 <= rank < world_size:
@@ -90,6 +94,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
         if worker_id is None:
             info = torch.utils.data.get_worker_info()
             worker_id, num_workers = (info.id, info.num_workers) if info else (0, 1)
+        assert num_workers is not None  # given with worker_id
         return self.rank * num_workers + worker_id, self.world_size * num_workers
 
     def _fresh_state(self, g: int, G: int) -> dict:
@@ -179,7 +184,7 @@ class StreamDataset(torch.utils.data.IterableDataset):
             else:
                 yield torch.from_numpy(tokens)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[torch.Tensor | DocumentBatch]:
         return self.sequences()
 
     def token_counts(self) -> dict[str, int]:
@@ -206,7 +211,7 @@ class StreamLoader(StatefulDataLoader):
 
 def build_stream_loader(
     cfg: StreamConfig,
-    tokenizer,
+    tokenizer: Tokenizer | None,
     *,
     seq_len: int,
     batch_size: int,
@@ -214,7 +219,7 @@ def build_stream_loader(
     world_size: int = 1,
     num_workers: int | None = None,
     seed: int | None = None,
-    resume_from=None,
+    resume_from: object = None,
 ) -> StreamLoader:
     """Batches [batch_size, seq_len + 1] int64 (DocumentBatch with cfg.document_masking) for one rank.
 

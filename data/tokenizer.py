@@ -21,9 +21,10 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+from typing import Any, NoReturn
 
 from core.errors import ConfigError, cli_errors
-from data.config import MIN_TRAINED_VOCAB
+from data.config import MIN_TRAINED_VOCAB, DataConfig
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -205,7 +206,7 @@ TOKENIZER_FILES = "a SentencePiece .model, a tokenizer.json or a tiktoken ranks 
 HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
-def _token_name(value) -> str | None:
+def _token_name(value: object) -> str | None:
     # tokenizer_config.json writes a special token as a string or as an AddedToken dict
     if isinstance(value, dict):
         value = value.get("content")
@@ -243,7 +244,7 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
     if (path / "tokenizer.json").is_file():
         return load_tokenizer(path / "tokenizer.json")
     if (path / "tokenizer.model").is_file():
-        tok = SentencePieceTokenizer(path / "tokenizer.model")
+        tok: Tokenizer = SentencePieceTokenizer(path / "tokenizer.model")
         tok.companions = _companions(path)
         return tok
     ranks = sorted(path.glob("*.tiktoken"))
@@ -308,7 +309,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     raise ConfigError(f"data.tokenizer: {str(path)!r} is not {TOKENIZER_FILES}")
 
 
-SP_SETTINGS = dict(
+SP_SETTINGS: dict[str, Any] = dict(
     byte_fallback=True,  # any UTF-8 text round-trips; unseen characters become byte tokens
     normalization_rule_name="identity",
     remove_extra_whitespaces=False,
@@ -382,7 +383,7 @@ def trained_tokenizer_key(corpus_fingerprint: str, vocab_size: int, model_type: 
 
 
 def get_tokenizer(
-    cfg,
+    cfg: DataConfig,
     *,
     vocab_size: int,
     corpus_fingerprint: str,
@@ -418,7 +419,7 @@ def get_tokenizer(
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2 (argparse's default also prints the usage)
+    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's default also prints the usage)
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
@@ -455,6 +456,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"saved {out} ({SentencePieceTokenizer(out).vocab_size} pieces)")
     else:
         print(" ".join(map(str, load_tokenizer(args.tokenizer).encode(args.text))))
+    return 0
 
 
 if __name__ == "__main__":

@@ -10,13 +10,19 @@ from __future__ import annotations
 
 import contextlib
 from collections import Counter
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
+    from model.transformer import Transformer
 
 
 @contextlib.contextmanager
-def _reference_with_stats(model):
+def _reference_with_stats(model: Transformer) -> Iterator[None]:
     cores = [block.attn.core for block in model.blocks]
     saved = [core.impl for core in cores]
     for core in cores:
@@ -31,7 +37,7 @@ def _reference_with_stats(model):
 
 
 @torch.no_grad()
-def layer_statistics(model, batches: list[Tensor], *, device) -> dict:
+def layer_statistics(model: Transformer, batches: list[Tensor], *, device: torch.device | str) -> dict:
     """{"mean": {name: value}, "layers": [{name: value} per layer]}, averaged over ``batches`` ([B, T])."""
     kind = model.cfg.attention.kind
     per_layer: list[dict[str, float]] = [{} for _ in model.blocks]
@@ -49,7 +55,9 @@ def layer_statistics(model, batches: list[Tensor], *, device) -> dict:
 
 
 @torch.no_grad()
-def focus_composition(model, batches: list[Tensor], tokenizer, *, device, top: int = 10) -> list[dict]:
+def focus_composition(
+    model: Transformer, batches: list[Tensor], tokenizer: Tokenizer, *, device: torch.device | str, top: int = 10
+) -> list[dict]:
     """Per Focus layer: each group's share of the tokens (argmax assignment) and its most frequent tokens."""
     captured: dict[int, list[Tensor]] = {}
     hooks = []
@@ -58,7 +66,7 @@ def focus_composition(model, batches: list[Tensor], tokenizer, *, device, top: i
         if not hasattr(core, "assignments"):
             continue
 
-        def grab(module, args, kwargs, i=i, core=core):
+        def grab(module: nn.Module, args: tuple, kwargs: dict, i: int = i, core: Any = core) -> None:
             hidden = args[0]  # the normed block input the attention projects
             g, _ = core.assignments(hidden, None)
             captured.setdefault(i, []).append(g.argmax(-1).cpu())

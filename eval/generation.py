@@ -10,9 +10,13 @@ Tests substitute any object with that surface (a fake model that returns the gol
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
+    from model.transformer import Transformer
 
 
 class Generator(Protocol):
@@ -34,7 +38,14 @@ def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
 
 
 class TextGenerator:
-    def __init__(self, model, tokenizer, *, device: torch.device | str = "cpu", max_context: int | None = None):
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        device: torch.device | str = "cpu",
+        max_context: int | None = None,
+    ):
         self.model, self.tokenizer, self.device = model, tokenizer, torch.device(device)
         self.max_context = max_context or model.cfg.max_seq_len
 
@@ -77,6 +88,7 @@ class TextGenerator:
             )
         finally:
             self.model.train(was_training)
+        assert isinstance(out, torch.Tensor)  # tokens only: return_logits is off
         new = out[0, len(ids) :].tolist()
         eos = self.tokenizer.eos_id
         return new[: new.index(eos)] if eos in new else new

@@ -41,7 +41,7 @@ import sys
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from unittest import mock
 
 import torch
@@ -67,6 +67,12 @@ from eval.lm_tasks import (  # noqa: F401  (the task set, importable from here a
     render_tasks,
     task_source,
 )
+
+if TYPE_CHECKING:
+    from lm_eval.api.instance import Instance
+
+    from eval.generation import TextGenerator
+    from model.transformer import Transformer
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,7 @@ class FocusedLM(TemplateLM):
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: Transformer,
         tokenizer: Any,
         device: torch.device | str = "cpu",
         batch_size: int = 8,
@@ -137,7 +143,7 @@ class FocusedLM(TemplateLM):
         """Whether this rank returns results (rank 0 of the data-parallel group)."""
         return self.dist_rank == 0
 
-    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
+    def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         return self.tokenizer.encode(string)  # these tokenizers add no special tokens
 
     def tok_decode(self, tokens: Sequence[int]) -> str:
@@ -185,7 +191,7 @@ class FocusedLM(TemplateLM):
         return out
 
     def _loglikelihood_tokens(
-        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs
+        self, requests: list[tuple[Any, list[int], list[int]]], disable_tqdm: bool = False, **kwargs: Any
     ) -> list[tuple[float, bool]]:
         """(sum of continuation log-probs, whether greedy decoding gives the continuation) per request,
         in request order. Longest first, as lm_eval's HF model: a batch pads only to its first row."""
@@ -206,7 +212,7 @@ class FocusedLM(TemplateLM):
         bar.close()
         return results
 
-    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+    def loglikelihood_rolling(self, requests: list[Instance], disable_tqdm: bool = False) -> list[float]:
         """Log-likelihood of whole texts: lm_eval's disjoint rolling windows of max_length tokens, each
         token scored once, the first one after the EOS prefix token."""
         windows, owners = [], []
@@ -226,7 +232,7 @@ class FocusedLM(TemplateLM):
 
     # -- generation --
 
-    def _generator(self):
+    def _generator(self) -> TextGenerator:
         from eval.generation import TextGenerator
 
         return TextGenerator(self.model, self.tokenizer, device=self.device, max_context=self.max_length)
@@ -247,7 +253,7 @@ class FocusedLM(TemplateLM):
             "top_k": gen_kwargs.get("top_k") if sample else None,
         }
 
-    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+    def generate_until(self, requests: list[Instance], disable_tqdm: bool = False) -> list[str]:
         """Greedy continuations through the KV-cache generator, cut before the first ``until`` string,
         at most ``max_gen_toks`` tokens; the prompt keeps its last max_length - max_gen_toks tokens."""
         generator = self._generator()
@@ -374,7 +380,7 @@ def _metrics(entry: dict[str, Any], stderr: bool = False) -> dict[str, float | N
         if stderr:
             err = entry.get(f"{metric}_stderr,{filt}")
             ok = isinstance(err, (int, float)) and not isinstance(err, bool)
-            out[f"{name}_stderr"] = float(err) if ok else None
+            out[f"{name}_stderr"] = float(err) if ok and err is not None else None
     return out
 
 
@@ -385,7 +391,7 @@ def evaluate(
     limit: int | None = None,
     data_dir: str | Path | None = None,
     stderr: bool = False,
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, float | None]]:
     """Zero-shot lm_eval on ``tasks`` (user names: hellaswag, arc_easy, ...), at most ``limit``
     documents each (None = all) -> ``{task: {metric: value}}`` on the reporting rank, {} elsewhere.
     ``stderr``: also ``<metric>_stderr`` (closed form for means, ``STDERR_BOOTSTRAP_ITERS`` bootstrap
@@ -416,7 +422,7 @@ def evaluate(
     return {task: _metrics(out["results"][LM_EVAL_PREFIX + task], stderr) for task in names}
 
 
-def flatten_for_metrics(results: dict[str, dict[str, float]], prefix: str = "eval") -> dict[str, float]:
+def flatten_for_metrics(results: dict[str, dict[str, float | None]], prefix: str = "eval") -> dict[str, float | None]:
     """``{task: {metric: v}}`` -> ``{"eval/<task>/<metric>": v}`` (non-finite values kept: they are findings)."""
     return {
         f"{prefix}/{task}/{metric}": value for task, metrics in results.items() for metric, value in metrics.items()

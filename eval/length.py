@@ -8,17 +8,29 @@ prediction had.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 
 from eval.perplexity import mean_loss, perplexity
 
+if TYPE_CHECKING:
+    from data.shards import TokenStream
+    from model.transformer import Transformer
+
 
 def loss_by_length(
-    model, tokens: np.ndarray, lengths: list[int], *, max_tokens: int, device, batch_size: int = 4
+    model: Transformer,
+    tokens: np.ndarray | TokenStream,
+    lengths: list[int],
+    *,
+    max_tokens: int,
+    device: torch.device,
+    batch_size: int = 4,
 ) -> dict[int, dict]:
     """{length: {loss, perplexity, tokens, windows}} over the first ``max_tokens`` + 1 tokens."""
-    results = {}
+    results: dict[int, dict] = {}
     budget = min(max_tokens, len(tokens) - 1)
     for length in lengths:
         windows = budget // length

@@ -10,9 +10,13 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from core.errors import ConfigError
 from run.config import resolve_data_dir
+
+if TYPE_CHECKING:
+    import datasets
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +98,7 @@ def task_source(task: str, data_dir: Path) -> tuple[Source, Path]:
     raise ConfigError(f"data_dir: task {task!r} needs <data_dir>/{sources[0].path}{others}")
 
 
-def local_dataset(task: str, data_dir: str | Path | None = None):
+def local_dataset(task: str, data_dir: str | Path | None = None) -> datasets.DatasetDict:
     """The ``datasets.DatasetDict`` of ``task``'s local file under the data directory, keyed by the split its
     YAML names (a fallback source's rows stand in for that split, with a warning from ``task_source``)."""
     import datasets

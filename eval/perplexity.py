@@ -5,9 +5,13 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 
 @torch.no_grad()
@@ -41,7 +45,9 @@ def perplexity(loss: float) -> float:
 
 
 @torch.no_grad()
-def strided_loss(model: nn.Module, tokens: Tensor, *, length: int, stride: int, device) -> tuple[float, int]:
+def strided_loss(
+    model: nn.Module, tokens: Tensor, *, length: int, stride: int, device: torch.device | str
+) -> tuple[float, int]:
     """(summed nats, targets) of one token sequence under sliding windows of ``length`` tokens moved
     by ``stride``: every token after the first is a target exactly once, each window scoring only
     targets no earlier window scored, so each has at least ``length - stride`` tokens of context
@@ -64,7 +70,15 @@ def strided_loss(model: nn.Module, tokens: Tensor, *, length: int, stride: int, 
     return total, count
 
 
-def text_perplexity(model: nn.Module, texts, tokenizer, *, length: int, stride: int, device) -> dict:
+def text_perplexity(
+    model: nn.Module,
+    texts: Iterable[str],
+    tokenizer: Tokenizer,
+    *,
+    length: int,
+    stride: int,
+    device: torch.device | str,
+) -> dict:
     """Token-level and per-byte figures over documents (each scored on its own, as lm-eval's rolling
     perplexity does): loss (nats / token), perplexity, bits per byte, byte perplexity."""
     was_training = model.training

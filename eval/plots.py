@@ -13,14 +13,19 @@ import math
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 FOCUS_PREFIX = "attn/focus/"
 FOCUS_FIRST = FOCUS_PREFIX + "max_group_share"
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -29,7 +34,7 @@ def _pyplot():
     return plt
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig: Figure, path: str | Path) -> Path:
     """Write ``fig`` as PNG to ``path`` atomically (temporary name in the same folder, then os.replace)."""
     plt = _pyplot()
     path = Path(path)

@@ -30,14 +30,22 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from core.errors import ConfigError
 from core.files import atomic_write_text
 from run import checkpoint as checkpoint_lib
+
+if TYPE_CHECKING:
+    from data.build import Corpus
+    from data.tokenizer import Tokenizer
+    from eval.generation import TextGenerator
+    from model.transformer import Transformer
+    from run.config import RunConfig
 
 TASKS = ("ppl", "sample", "ppl_length", "attention_stats", "needle", "kv_retrieval", "rag")
 LONGBENCH_PREFIX = "longbench:"
@@ -80,14 +88,16 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
 
 
-def held_out(cfg, tokenizer_dir: Path):
+def held_out(cfg: RunConfig, tokenizer_dir: Path) -> Corpus:
     from data.build import build_corpus
 
     cfg.data.tokenizer = str(_tokenizer_file(tokenizer_dir))  # the checkpoint's own tokenizer, never a retrained one
     return build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=lambda line: print(line, file=sys.stderr))
 
 
-def task_ppl_text(model, tokenizer, *, path: str, length: int, stride: int, limit: int, device) -> dict:
+def task_ppl_text(
+    model: Transformer, tokenizer: Tokenizer, *, path: str, length: int, stride: int, limit: int, device: torch.device
+) -> dict:
     """Token and per-byte perplexity of the documents of a text file / folder / glob (strided windows)."""
     from data.sources import iter_local
     from eval.perplexity import text_perplexity
@@ -99,8 +109,10 @@ def task_ppl_text(model, tokenizer, *, path: str, length: int, stride: int, limi
     return text_perplexity(model, texts, tokenizer, length=length, stride=stride, device=device) | {"data": path}
 
 
-def task_ppl(model, corpus, *, limit: int, device) -> dict:
+def task_ppl(model: Transformer, corpus: Corpus, *, limit: int, device: torch.device) -> dict:
     from eval.perplexity import mean_loss, perplexity
+
+    assert corpus.val is not None  # the caller checked
 
     n = min(len(corpus.val), limit) if limit else len(corpus.val)
     batches = (torch.stack([corpus.val[i] for i in range(a, min(a + 8, n))]) for a in range(0, n, 8))
@@ -109,19 +121,36 @@ def task_ppl(model, corpus, *, limit: int, device) -> dict:
 
 
 def task_ppl_length(
-    model, corpus, *, train_length: int, multiples: list[float], max_tokens: int, device, plot: Path
+    model: Transformer,
+    corpus: Corpus,
+    *,
+    train_length: int,
+    multiples: list[float],
+    max_tokens: int,
+    device: torch.device,
+    plot: Path,
 ) -> dict:
     from eval.length import loss_by_length
     from eval.plots import plot_loss_by_length
 
     lengths = [max(1, int(train_length * m)) for m in multiples]
+    if corpus.val is None:
+        raise ConfigError("--tasks ppl_length: the run has no validation split (a stream without data.val_path)")
     results = loss_by_length(model, corpus.val.tokens, lengths, max_tokens=max_tokens, device=device)
-    out = {str(length): r for length, r in results.items()}
+    out: dict[str, Any] = {str(length): r for length, r in results.items()}
     out["plot"] = str(plot_loss_by_length(results, plot, train_length=train_length))
     return out
 
 
-def task_attention_stats(model, corpus, tokenizer, *, text_path: str | None, batch_size: int, device) -> dict:
+def task_attention_stats(
+    model: Transformer,
+    corpus: Corpus | None,
+    tokenizer: Tokenizer,
+    *,
+    text_path: str | None,
+    batch_size: int,
+    device: torch.device,
+) -> dict:
     """Per-layer statistics (and Focus group composition) on ``text_path`` or the first validation batch."""
     from eval.attention_stats import focus_composition, layer_statistics
 
@@ -137,7 +166,7 @@ def task_attention_stats(model, corpus, tokenizer, *, text_path: str | None, bat
             raise ConfigError(f"--stats-text: {text_path} holds fewer than 2 tokens")
         batches = [torch.stack(windows)]  # full-length windows, or one shorter window when the text is short
     else:
-        if corpus.val is None:
+        if corpus is None or corpus.val is None:
             raise ConfigError(
                 "--stats-text: the run has no validation split (a stream without data.val_path); give a text file"
             )
@@ -150,7 +179,9 @@ def task_attention_stats(model, corpus, tokenizer, *, text_path: str | None, bat
     return out
 
 
-def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device) -> dict:
+def task_sample(
+    model: Transformer, tokenizer: Tokenizer, *, prompt: str, max_new_tokens: int, seed: int, device: torch.device
+) -> dict:
     ids = tokenizer.encode(prompt) or [tokenizer.eos_id]
     gen = torch.Generator(device=device).manual_seed(seed)
     out = model.generate(
@@ -162,6 +193,7 @@ def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int
         eos_id=tokenizer.eos_id,
         vocab_size=tokenizer.vocab_size,
     )
+    assert isinstance(out, torch.Tensor)  # tokens only: return_logits is off
     return {
         "prompt": prompt,
         "text": tokenizer.decode(out[0, len(ids) :].tolist()),
@@ -172,7 +204,7 @@ def task_sample(model, tokenizer, *, prompt: str, max_new_tokens: int, seed: int
 _tokenizer_file = checkpoint_lib.tokenizer_file
 
 
-def _numbers(raw: str, option: str, kind=float) -> list:
+def _numbers(raw: str, option: str, kind: Callable[[str], Any] = float) -> list:
     try:
         return [kind(m) for m in raw.split(",") if m.strip()]
     except ValueError:
@@ -284,7 +316,14 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _synthetic(task: str, gen, args, lengths, depths, out: Path) -> dict:
+def _synthetic(
+    task: str,
+    gen: TextGenerator,
+    args: argparse.Namespace,
+    lengths: list[int] | None,
+    depths: list[float],
+    out: Path,
+) -> dict:
     from eval import synthetic
     from eval.plots import plot_needle_heatmap
 
@@ -346,6 +385,7 @@ def main(argv: list[str] | None = None) -> int:
         corpus = held_out(cfg, path) if needs_corpus & set(tasks) else None
         for task in tasks:
             if task == "ppl_length":
+                assert corpus is not None  # needs_corpus
                 results[task] = task_ppl_length(
                     model,
                     corpus,
@@ -384,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['bits_per_byte']:.4f} over {r['tokens']:,} tokens"
                 )
             elif task == "ppl":
-                if corpus.val is None:
+                if corpus is None or corpus.val is None:  # corpus: needs_corpus
                     raise ConfigError(
                         "--ppl-data: the run has no validation split (a stream without data.val_path); give text to "
                         "score"
@@ -437,7 +477,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _load_tokenizer(load_tokenizer, path: Path, key: str):
+def _load_tokenizer(load_tokenizer: Callable[[Path], Tokenizer], path: Path, key: str) -> Tokenizer:
     file = _tokenizer_file(path)
     try:
         return load_tokenizer(file)
@@ -451,7 +491,8 @@ def _run_plots(run: Path, out: Path) -> dict:
     """Loss curves, and Focus group sizes when the run logged them, from the run's metrics.jsonl."""
     from eval.plots import plot_group_sizes, plot_loss_curves
 
-    metrics, plots = run / "metrics.jsonl", {}
+    metrics = run / "metrics.jsonl"
+    plots: dict[str, str] = {}
     if not metrics.is_file():
         return plots
     plots["loss_curves"] = str(plot_loss_curves(metrics, out.with_suffix(".loss.png")))

@@ -13,10 +13,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 from core import configlib
 from core.errors import ConfigError
 from core.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from run.config import RunConfig
 
 TEMPLATE = Path(__file__).resolve().parent / "slurm" / "train.sbatch"
 MARKER = "# --- launch.submit writes its settings here ---"
@@ -24,7 +28,7 @@ REPO = TEMPLATE.parents[2]
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         print(f"error: {message}", file=sys.stderr)
         raise SystemExit(2)
 
@@ -65,7 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _check(args: argparse.Namespace, cfg) -> int:
+def _check(args: argparse.Namespace, cfg: RunConfig) -> int:
     """Worker processes per node, after checking the layout against the config."""
     if args.nodes < 1:
         raise ConfigError(f"--nodes: must be >= 1, got {args.nodes}")
@@ -97,7 +101,7 @@ def _check(args: argparse.Namespace, cfg) -> int:
     return procs
 
 
-def render(args: argparse.Namespace, cfg, procs: int) -> str:
+def render(args: argparse.Namespace, cfg: RunConfig, procs: int) -> str:
     run_dir = cfg.run_dir.resolve()
     directives = [
         f"--job-name={cfg.run.name or run_dir.name}",

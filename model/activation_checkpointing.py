@@ -10,7 +10,9 @@ A variant's forward must have no side effects beyond its outputs: it runs twice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
@@ -32,11 +34,11 @@ SAVED_OPS = frozenset(
 )
 
 
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def checkpointed(block, mode: str, *args, **kwargs):
+def checkpointed(block: Callable[..., Any], mode: str, *args: Any, **kwargs: Any) -> Any:
     """``block(*args, **kwargs)`` under the given checkpointing mode (not ``none``)."""
     if mode == "full":
         return checkpoint(block, *args, use_reentrant=False, **kwargs)

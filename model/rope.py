@@ -44,7 +44,7 @@ def original_length(cfg: RopeConfig, max_seq_len: int) -> int:
     if cfg.original_max_seq_len:
         return cfg.original_max_seq_len
     if cfg.scaling == "llama3":
-        return LLAMA3_DEFAULTS["original_max_seq_len"]
+        return int(LLAMA3_DEFAULTS["original_max_seq_len"])
     return max(1, int(max_seq_len / resolved_factor(cfg)))
 
 
@@ -75,7 +75,7 @@ def rope_parameters(
             return d * math.log(l0 / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         low = max(math.floor(dim_for_rotations(cfg.beta_fast)), 0)
-        high = min(math.ceil(dim_for_rotations(cfg.beta_slow)), d - 1)
+        high: float = min(math.ceil(dim_for_rotations(cfg.beta_slow)), d - 1)
         if low == high:
             high += 0.001  # avoid a zero-width ramp
         ramp = ((torch.arange(d // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
@@ -95,6 +95,8 @@ def rope_parameters(
 
 
 class RotaryEmbedding(nn.Module):
+    inv_freq: Tensor  # a buffer
+
     def __init__(self, cfg: RopeConfig, head_dim: int, max_seq_len: int):
         super().__init__()
         self.cfg, self.head_dim, self.max_seq_len = cfg, head_dim, max_seq_len

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -36,7 +37,7 @@ class MLP(nn.Module):
         self.down = nn.Linear(h, d, bias=cfg.bias)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.gated:
+        if self.gate is not None:  # gated (llama)
             return self.down(F.silu(self.gate(x)) * self.up(x))
         return self.down(F.gelu(self.up(x), approximate="tanh"))
 
@@ -71,7 +72,7 @@ class SelfAttention(nn.Module):
         q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -90,7 +91,13 @@ class Block(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
 
     def forward(
-        self, x: Tensor, *, positions: Tensor, rope, cache: KVCache | None, documents: Tensor | None = None
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: KVCache | None,
+        documents: Tensor | None = None,
     ) -> tuple[Tensor, AttnOut]:
         a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache, documents=documents)
         x = x + self.drop(a.output)
@@ -116,7 +123,8 @@ class Transformer(nn.Module):
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.family == "gpt2" else None
         self.rope = RotaryEmbedding(cfg.rope, cfg.head_dim, cfg.max_seq_len) if cfg.uses_rope else None
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers))
+        # an nn.ModuleList (registered as submodules), typed by what it holds
+        self.blocks = cast("Sequence[Block]", nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layers)))
         self.norm_f = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -149,7 +157,7 @@ class Transformer(nn.Module):
             if isinstance(m, (nn.LayerNorm, nn.RMSNorm)):
                 m.reset_parameters()
             elif m is not self and hasattr(m, "reset_parameters") and not isinstance(m, (nn.Linear, nn.Embedding)):
-                m.reset_parameters()  # variant-owned parameters (centroids, bias tables, ...)
+                getattr(m, "reset_parameters")()  # noqa: B009  (Module.__getattr__ is typed as a tensor or module)  # variant-owned parameters (centroids, bias tables, ...)
         if self.rope is not None:
             self.rope.reset_buffers()
 
@@ -180,7 +188,9 @@ class Transformer(nn.Module):
                 core.reference_batch = False
             self.train(was_training)
 
-    def new_caches(self, batch: int, max_len: int, *, dtype: torch.dtype | None = None, device=None) -> list[KVCache]:
+    def new_caches(
+        self, batch: int, max_len: int, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> list[KVCache]:
         ref = self.tok_emb.weight
         return [
             KVCache(
@@ -220,7 +230,9 @@ class Transformer(nn.Module):
             cos, sin = self.rope.cos_sin(token_pos.flatten(), x.dtype)
             # per-sequence positions broadcast over heads: [B, 1, T, D]
             rope = (cos, sin) if documents is None else (cos.view(b, 1, t, -1), sin.view(b, 1, t, -1))
-        aux, stats, layer_stats = None, {}, []
+        aux: Tensor | None = None
+        stats: dict[str, Tensor] = {}
+        layer_stats: list[dict[str, Tensor]] = []
         recompute = self.activation_checkpointing != "none" and self.training and torch.is_grad_enabled() and not caches
         for i, block in enumerate(self.blocks):
             if recompute:

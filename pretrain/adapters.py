@@ -24,15 +24,15 @@ import json
 import os
 import sys
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-import tomllib
 import torch
 
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from core.files import atomic_directory
 from run import checkpoint as ckpt
@@ -169,7 +169,9 @@ def check_fits(adapter: Adapter, model_table: dict[str, Any], weights: dict[str,
         )
 
 
-def apply_adapter(base: str | Path, adapter_file: str | Path, out: str | Path, *, log=print) -> Path:
+def apply_adapter(
+    base: str | Path, adapter_file: str | Path, out: str | Path, *, log: Callable[[str], None] = print
+) -> Path:
     """Checkpoint (or run) ``base`` + centroid file -> checkpoint directory ``out`` (see the module docstring)."""
     from safetensors.torch import load_file, save_model
 
@@ -240,7 +242,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
 
 
-def compare(base: str | Path, other: str | Path, *, log=print) -> tuple[int, int]:
+def compare(base: str | Path, other: str | Path, *, log: Callable[[str], None] = print) -> tuple[int, int]:
     """Which tensors ``other`` (a run or checkpoint) shares bitwise with ``base``. Returns (changed, shared)."""
     from safetensors.torch import load_file
 

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,7 +56,9 @@ def _fsync_tree(path: Path) -> None:
 class Coordinator(Protocol):
     """What a checkpoint write needs from the process group (an engine provides it)."""
 
-    is_main: bool
+    @property
+    def is_main(self) -> bool: ...
+
     rank: int
     world_size: int
 
@@ -85,7 +88,7 @@ def save_checkpoint(
     run_dir: Path,
     step: int,
     *,
-    write_engine_state,
+    write_engine_state: Callable[[Path], None],
     trainer_state: dict[str, Any],
     keep: int,
     meta: dict[str, Any] | None = None,
@@ -213,7 +216,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def untie(state: dict[str, torch.Tensor], model=None) -> dict[str, torch.Tensor]:
+def untie(state: dict[str, torch.Tensor], model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
     """Keep one name per tied tensor, as safetensors' ``save_model`` does (``save_file`` refuses
     shared storage). Ties are found by storage and, given ``model``, by parameter identity, since
     a gathered full state dict holds separate copies of tied parameters."""

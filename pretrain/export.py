@@ -24,14 +24,20 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from core.files import atomic_directory
 from pretrain import checkpoint as ckpt
 from run.checkpoint import verify_checkpoint
+
+if TYPE_CHECKING:
+    from data.tokenizer import Tokenizer
 
 
 def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -72,7 +78,7 @@ def export(path: Path, out: Path, *, dtype: str = "fp32") -> Path:
     return out
 
 
-def _checkpoint_tokenizer(path: Path):
+def _checkpoint_tokenizer(path: Path) -> Tokenizer | None:
     from data.tokenizer import load_tokenizer
 
     for name in ("tokenizer.model", "tokenizer.json", *sorted(p.name for p in path.glob("*.tiktoken"))):
@@ -88,12 +94,10 @@ def export_hf(
     dtype: str = "fp32",
     max_shard_size: str = "5GB",
     allow_variant: bool = False,
-    log=print,
+    log: Callable[[str], None] = print,
 ) -> Path:
     """Checkpoint directory ``path`` -> Hugging Face model directory ``out`` (written beside it under a
     temporary name, then renamed; ``out`` must not exist or be empty)."""
-    import tomllib
-
     from data.hf_tokenizer import check_hf_tokenizer, write_hf_tokenizer
     from model import hf
     from run.config import run_config_from_dict

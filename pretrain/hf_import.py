@@ -27,13 +27,19 @@ import json
 import shutil
 import sys
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, NoReturn
 
 import torch
 
 from core import configlib
 from core.errors import ConfigError, cli_errors
 from core.files import atomic_directory
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
+    from run.config import RunConfig
 
 IMPORT_DIR = "hf_import"
 
@@ -42,7 +48,7 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _model_dict(model_cfg) -> dict:
+def _model_dict(model_cfg: ModelConfig) -> dict:
     from run.config import RunConfig
 
     cfg = RunConfig()
@@ -51,8 +57,13 @@ def _model_dict(model_cfg) -> dict:
 
 
 def run_config(
-    model_cfg, run_dir: Path, import_dir: Path, *, base_config: str | None = None, overrides: list[str] = ()
-):
+    model_cfg: ModelConfig,
+    run_dir: Path,
+    import_dir: Path,
+    *,
+    base_config: str | None = None,
+    overrides: Sequence[str] = (),
+) -> RunConfig:
     """The run's config: ``base_config`` (or the defaults), the imported model, the import as tokenizer and
     initial weights, then ``overrides``."""
     from run.config import load_run_config, run_config_from_dict
@@ -75,10 +86,10 @@ def import_hf(
     run_dir: str | Path,
     *,
     base_config: str | None = None,
-    overrides: list[str] = (),
+    overrides: Sequence[str] = (),
     tokenizer: str | Path | None = None,
     start: bool = True,
-    log=_say,
+    log: Callable[[str], None] = _say,
 ) -> Path:
     """Import ``hf_path`` into ``run_dir`` (see the module docstring); returns the checkpoint directory a
     user evaluates: ``checkpoints/step_00000000`` when started, else ``hf_import``."""
@@ -151,12 +162,14 @@ def import_hf(
     path = trainer.save()
     trainer.loggers.close()
     trainer.engine.close()
+    if path is None:  # the imported weights are not finite: no step 0 was written
+        raise ConfigError(f"--hf: {hf_path}: {trainer.error}")
     log(f"run started at step 0: {path}; continue with python -m pretrain.train --config {run_dir / 'config.toml'}")
     return path
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
+    def error(self, message: str) -> NoReturn:  # one line, exit 2
         self.exit(2, f"error: {self.prog}: {message}\n")
 
 
@@ -182,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer=args.tokenizer,
         start=not args.no_start,
     )
+    return 0
 
 
 if __name__ == "__main__":

@@ -18,9 +18,13 @@ import secrets
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from run.config import LogConfig
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
+    from wandb.sdk.wandb_run import Run
 
 METRICS_FILE = "metrics.jsonl"
 # WANDB_MODE values wandb accepts -> ours (run.config.WANDB_MODES)
@@ -125,8 +129,8 @@ class Loggers:
         self.run_name = run_name
         self.config = config
         self.metrics = MetricsFile(self.run_dir / METRICS_FILE)
-        self.tb = None
-        self.wandb = None
+        self.tb: SummaryWriter | None = None
+        self.wandb: Run | None = None
         self._started = False
 
     def _start(self) -> None:
@@ -178,7 +182,7 @@ class Loggers:
             self.wandb.finish()
 
 
-def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config: dict[str, Any]):
+def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config: dict[str, Any]) -> Run:
     import wandb
 
     # The run id lives in the run directory so a resumed run continues the same W&B run.
@@ -192,7 +196,7 @@ def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config:
         id=run_id,
         resume="allow",
         dir=str(run_dir),
-        mode=mode,
+        mode=cast("Literal['online', 'offline', 'disabled']", mode),  # log.wandb is checked to be one of these
         config=config,
     )
 

@@ -19,6 +19,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import numpy as np
 import tomllib
@@ -107,7 +108,7 @@ class Trainer:
         """Trained to train.max_steps (not stopped early by a signal, a failure or train.stop_at)."""
         return not self.preempted and not self.error and self.step == self.cfg.train.max_steps
 
-    def _call(self, hook: str, *args) -> None:
+    def _call(self, hook: str, *args: object) -> None:
         for callback in self.callbacks:
             getattr(callback, hook)(self, *args)
 
@@ -131,7 +132,7 @@ class Trainer:
         world = self.engine.world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
         if self.corpus.stream is not None:
-            self.loader = StreamBatchLoader(
+            self.loader: StreamBatchLoader | BatchLoader = StreamBatchLoader(
                 self.corpus.stream,
                 self.corpus.tokenizer,
                 seq_len=cfg.data.seq_len,
@@ -142,6 +143,7 @@ class Trainer:
                 seed=cfg.train.seed,
             )
         else:
+            assert self.corpus.train is not None  # not a stream
             self.loader = BatchLoader(
                 self.corpus.train,
                 batch_size=cfg.train.batch_size,
@@ -181,7 +183,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not self.engine.is_main:
                 return
-            self._lock = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
+            self._lock: IO[str] | None = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
         except OSError as exc:
             raise ConfigError(f"run.dir: cannot write {self.run_dir} ({exc.strerror})") from None
         try:
@@ -228,6 +230,7 @@ class Trainer:
     def _reference_batch(self) -> torch.Tensor:
         """A fixed validation batch for statistics tracked across log steps (Focus stability)."""
         if getattr(self, "_ref_batch", None) is None:
+            assert self.corpus.val is not None  # the caller checks
             batch = next(eval_batches(self.corpus.val, batch_size=self.eval_batch_size, max_batches=1))
             self._ref_batch = batch[:, :-1].to(self.device)
         return self._ref_batch
@@ -267,7 +270,8 @@ class Trainer:
         flipped on disk, a kill mid-copy, a full disk) is skipped with one line and, once an older good one
         is found, moved to ``checkpoints/damaged/`` so that pruning never counts it nor keeps it over the
         good one. With none usable, nothing is moved and the run stops: never silently start over."""
-        first_problem, damaged = None, []
+        first_problem: str | None = None
+        damaged: list[Path] = []
         share = (self.engine.rank, self.engine.world_size)
         for _, path in reversed(ckpt.complete_checkpoints(self.run_dir)):
             try:
@@ -410,7 +414,8 @@ class Trainer:
         n_global = int(self.engine.all_reduce_sum(torch.tensor(float(n_local), device=self.device)))
         lr = self.engine.lr
         loss_sum = torch.zeros((), device=self.device)
-        aux_sum, stats = None, {}
+        aux_sum: torch.Tensor | None = None
+        stats: dict[str, torch.Tensor | float] = {}
         for i, mb in enumerate(micro):
             out = self.engine.micro_step(
                 mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1

@@ -20,7 +20,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     no_decay_ids = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     attention = [m for m in model.modules() if isinstance(m, Attention)]
     no_decay_ids |= {id(getattr(m, name)) for m in attention for name in m.no_weight_decay}
-    decay, no_decay, seen = [], [], set()
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()
     for _, p in model.named_parameters():
         if id(p) in seen:  # frozen parameters stay in: no gradient means AdamW leaves them untouched
             continue

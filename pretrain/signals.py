@@ -10,7 +10,9 @@ their pieces of work), so the run checkpoints and exits cleanly.
 from __future__ import annotations
 
 import signal
+from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 # EX_TEMPFAIL: the sbatch script requeues the job when the trainer exits with this code.
 PREEMPTED_EXIT_CODE = 75
@@ -37,7 +39,7 @@ class SignalHandler:
     def __init__(self, *, deferred: bool = False) -> None:
         self.received: int | None = None
         self.deferred = deferred
-        self._previous: dict[int, object] = {}
+        self._previous: dict[int, Callable[[int, FrameType | None], Any] | int | None] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         self.received = signum
@@ -69,6 +71,7 @@ class SignalHandler:
             self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+            # None: a handler installed outside Python, which cannot be put back; the default then
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)

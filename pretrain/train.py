@@ -8,21 +8,32 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from core import configlib
 from core.errors import ConfigError
 from core.files import atomic_write_text
 from pretrain.signals import PREEMPTED_MARKER, Preempted, SignalHandler
 
+if TYPE_CHECKING:
+    from run.config import RunConfig
+
 
 class _HelpConfig(argparse.Action):
     """``--help-config``: every config key with its type, default and meaning, then exit."""
 
-    def __init__(self, option_strings, dest, **kwargs):
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
         from core.config_help import render
         from run.config import RunConfig
 
@@ -87,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             raise
 
 
-def _train(cfg, signals: SignalHandler) -> int:
+def _train(cfg: RunConfig, signals: SignalHandler) -> int:
     from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
     from pretrain.loop import Trainer
 
@@ -108,7 +119,7 @@ def _train(cfg, signals: SignalHandler) -> int:
     return result.exit_code
 
 
-def _preempted_before_training(exc: Preempted, signals: SignalHandler, run_dir) -> int:
+def _preempted_before_training(exc: Preempted, signals: SignalHandler, run_dir: Path | None) -> int:
     """A signal during set-up: nothing to save. A preemption still leaves the requeue marker."""
     if signals.interrupted:
         print(f"interrupted ({exc}) before training started: nothing to save", file=sys.stderr)
@@ -136,7 +147,7 @@ def _is_main_rank() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def _resolved(cfg, key: str) -> str:
+def _resolved(cfg: RunConfig, key: str) -> str:
     if key == "run.dir":
         return str(cfg.run_dir.resolve())
     value = cfg.to_dict()

@@ -10,16 +10,23 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import tomllib
 import torch
 
 from core import configlib
+from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
 from run import checksums
 from run.safe_load import torch_load
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from model.transformer import Transformer
+    from run.config import RunConfig
 
 STEP_DIR = re.compile(r"^step_(\d{8,})$")
 TMP_PREFIX = ".tmp-"
@@ -161,7 +168,9 @@ def _why(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}"[:160] if text else type(exc).__name__
 
 
-def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False) -> None:
+def load_weights(
+    model: nn.Module, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False
+) -> None:
     """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not).
 
     ``new_attention_ok``: a retrofit (full-attention weights into a Focus model, say) may lack the
@@ -182,7 +191,9 @@ def load_weights(model, path: Path, *, device: torch.device | str = "cpu", new_a
         raise ConfigError(f"model: the weights in {path} do not fit this model config ({detail})")
 
 
-def load_model(path: Path, *, device: torch.device | str = "cpu", overrides: list[str] = ()):
+def load_model(
+    path: Path, *, device: torch.device | str = "cpu", overrides: Sequence[str] = ()
+) -> tuple[Transformer, RunConfig]:
     """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights.
 
     ``overrides`` are ``--set`` assignments applied to the saved config before the model is built,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
@@ -289,7 +290,7 @@ def derived_config(path: str | Path) -> dict[str, Any] | None:
     return None
 
 
-def load_run_config(path: str | Path | None, overrides: list[str] = (), *, validate: bool = True) -> RunConfig:
+def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), *, validate: bool = True) -> RunConfig:
     """Read a TOML file (or a derived ``<base>_<variant>.toml``, see ``derived_config``), apply
     ``--set`` overrides, build and validate."""
     data = (derived_config(path) or configlib.load_toml(path)) if path else {}

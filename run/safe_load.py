@@ -31,13 +31,19 @@ import os
 import pickle
 import re
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from core.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.checkpoint.planner import ReadItem
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's metadata file name
 
@@ -88,7 +94,9 @@ def _refusal(path: object, exc: BaseException) -> ConfigError:
     return ConfigError(f"{path}: refused to unpickle: {why}")
 
 
-def torch_load(path: str | os.PathLike, *, map_location: Any = "cpu", allow: Iterable[Any] = (), mmap=None) -> Any:
+def torch_load(
+    path: str | os.PathLike, *, map_location: Any = "cpu", allow: Iterable[Any] = (), mmap: bool | None = None
+) -> Any:
     """``torch.load(weights_only=True)`` of one checkpoint file, with ``allow`` added to the safe
     globals; anything else in the file is a one-line ``ConfigError`` naming it."""
     try:
@@ -137,7 +145,7 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError("a persistent id (DCP metadata has none)")
 
 
-def read_dcp_metadata(directory: str | os.PathLike, name: str = DCP_METADATA):
+def read_dcp_metadata(directory: str | os.PathLike, name: str = DCP_METADATA) -> Metadata:
     """The ``Metadata`` of the DCP checkpoint in ``directory``, unpickled through the allow-list;
     refused with one line if the file holds anything else or points outside the directory."""
     from torch.distributed.checkpoint.metadata import Metadata
@@ -161,7 +169,7 @@ def read_dcp_metadata(directory: str | os.PathLike, name: str = DCP_METADATA):
     return metadata
 
 
-def _dcp_classes():
+def _dcp_classes() -> tuple[type[FileSystemReader], Callable[..., DefaultLoadPlanner]]:
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -169,13 +177,14 @@ def _dcp_classes():
     class SafeFileSystemReader(FileSystemReader):
         """``FileSystemReader`` whose metadata is read through ``read_dcp_metadata``."""
 
-        def read_metadata(self, *args: Any, **kwargs: Any):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
             rank = kwargs.get("rank")
             name = DCP_METADATA if rank is None else f"__{rank}{DCP_METADATA}"
             metadata = read_dcp_metadata(Path(self.path), name)
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
+            storage_meta = getattr(metadata, "storage_meta", None)
+            if storage_meta is None:
+                storage_meta = metadata.storage_meta = StorageMeta()
+            storage_meta.load_id = self.load_id
             return metadata
 
     class SafeLoadPlanner(DefaultLoadPlanner):
@@ -185,7 +194,7 @@ def _dcp_classes():
             super().__init__(*args, **kwargs)
             self.where = where
 
-        def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
             try:
                 obj = torch.load(value, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as exc:

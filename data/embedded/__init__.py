@@ -23,6 +23,8 @@ def iter_embedded() -> Iterator[Document]:
     with resources.as_file(resources.files(__package__) / ARCHIVE) as path, tarfile.open(path, "r|xz") as tar:
         for member in tar:
             if member.isfile() and member.name.endswith(PLAY_SUFFIX):
-                plays[member.name.rsplit("/", 1)[-1].removesuffix(".txt")] = tar.extractfile(member).read()
+                data = tar.extractfile(member)
+                assert data is not None  # a regular file has its bytes
+                plays[member.name.rsplit("/", 1)[-1].removesuffix(".txt")] = data.read()
     for name in sorted(plays):
         yield Document(name, normalise_text(plays[name], where=f"{ARCHIVE}:{name}"))

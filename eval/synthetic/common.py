@@ -10,10 +10,10 @@ import json
 import random
 import sys
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple, Protocol, TextIO
 
 from core.errors import ConfigError, check_min, check_range
 from eval.generation import Generator
@@ -140,7 +140,7 @@ def _check_lengths(lengths: Sequence[int] | None, max_context: int | None) -> li
     return out
 
 
-def _distinct_values(values, kind: type, option: str, what: str) -> list:
+def _distinct_values(values: Iterable[object], kind: Callable[[Any], Any], option: str, what: str) -> list:
     """``values`` as ``kind``, duplicates dropped in order; one-line errors naming ``option``."""
     try:
         out = list(dict.fromkeys(kind(x) for x in values))
@@ -199,8 +199,10 @@ def by_length(lengths: Sequence[int], samples_at: Callable[[int], list[Sample]])
             skipped.append(exc)
     if not out and skipped:
         raise skipped[-1]  # nothing left to run: one error line, no notes
-    for exc in skipped:
-        print(f"note: --context-lengths: skipping {exc.length}, too short for {exc.need}", file=sys.stderr, flush=True)
+    for short in skipped:
+        print(
+            f"note: --context-lengths: skipping {short.length}, too short for {short.need}", file=sys.stderr, flush=True
+        )
     return out
 
 
@@ -237,6 +239,7 @@ def _fit(
     hi: int | None = None if lo is not None else guess
     step = max(1, guess // 256)
     while lo is None:  # gallop down to a prompt that fits
+        assert hi is not None  # set whenever lo is None
         n = max(0, hi - step)
         if size(n) <= budget:
             lo = n
@@ -271,11 +274,15 @@ def _shrink(
         n -= 1
 
 
+class BuildPrompt(Protocol):
+    def __call__(self, n: int, depth: float) -> str: ...
+
+
 class Case(NamedTuple):
     """One sample of a task: its prompt with ``n`` filler units and the gold item at ``depth``, its gold answers,
     and the most filler units its data holds (None: no limit)."""
 
-    build: Callable[[int, float], str]
+    build: BuildPrompt
     answers: tuple[str, ...]
     limit: int | None = None
 
@@ -326,7 +333,7 @@ class _Lazy:
     """A prefix-stable list drawn on demand from an iterator, so longer prompts extend shorter ones."""
 
     def __init__(self, items: Iterator):
-        self._it, self._items = items, []
+        self._it, self._items = items, list[Any]()
 
     def take(self, n: int) -> list:
         while len(self._items) < n:
@@ -334,7 +341,7 @@ class _Lazy:
         return self._items[:n]
 
 
-def _open_text(path: Path):
+def _open_text(path: Path) -> TextIO:
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
@@ -367,7 +374,9 @@ def _pick(n_rows: int, samples: int, seed: str, data_file: str | Path) -> list[i
     return random.Random(seed).sample(range(n_rows), samples)
 
 
-def _check_filled(n: int, limit: int | None, tokens: int, budget: int, data_file, unit: str, length: int) -> None:
+def _check_filled(
+    n: int, limit: int | None, tokens: int, budget: int, data_file: str | Path | None, unit: str, length: int
+) -> None:
     # A data file can run out of filler; a much shorter prompt than asked for would mislabel the grid.
     if limit is not None and n >= limit and tokens < 0.9 * budget:
         raise ConfigError(
@@ -386,7 +395,7 @@ def _random_key(rng: random.Random, key_type: str) -> str:
 
 def run_samples(
     make: Callable[..., list[Sample]], generator: Generator, lengths: Sequence[int] | None, *, max_new_tokens: int,
-    progress: bool, stop: Sequence[str] = (), **options,
+    progress: bool, stop: Sequence[str] = (), **options: Any,
 ) -> dict:  # fmt: skip
     """``evaluate_samples`` on ``make(generator.encode, lengths=, max_new_tokens=, **options)`` (a task's samples);
     ``lengths`` defaults to a quarter, half and all of ``generator.max_context``, and none may exceed it."""

@@ -48,7 +48,9 @@ def _uuid_pairs(rng: random.Random) -> Iterator[tuple[str, str]]:
         yield _random_key(rng, "uuids"), _random_key(rng, "uuids")
 
 
-def _file_pairs(rows, start: int, gold_key: str) -> list[tuple[str, str]]:
+def _file_pairs(
+    rows: Sequence[tuple[tuple[str, str], Sequence[tuple[str, str]]]], start: int, gold_key: str
+) -> list[tuple[str, str]]:
     # The example's own records first, then the following examples' (wrapping), keys kept distinct.
     seen = {gold_key}
     out = []

@@ -127,7 +127,8 @@ def wikitext_pages(dataset: datasets.Dataset) -> datasets.Dataset:
     lines: list[str] = []
     for line in (raw for raw in text.split("\n") if raw.strip()):
         lines += [" ", line, " "] if _is_heading(line) else [line]
-    pages, current = [], []
+    pages: list[str] = []
+    current: list[str] = []
     for line in lines:
         if _is_title(line) and "".join(current).strip():
             pages.append("\n".join(current))
@@ -142,7 +143,7 @@ def wikitext_pages(dataset: datasets.Dataset) -> datasets.Dataset:
 # ---- the datasets (custom_dataset) ---------------------------------------------------------------
 
 
-def _local(task: str, data_dir: str | None = None, **_metadata) -> datasets.DatasetDict:
+def _local(task: str, data_dir: str | None = None, **_metadata: object) -> datasets.DatasetDict:
     from eval.harness import local_dataset
 
     return local_dataset(task, data_dir)

@@ -177,7 +177,7 @@ class Attention(nn.Module):
             k_pos = cache.positions()
         else:
             k_pos = positions
-        kwargs = dict(hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)
+        kwargs: dict[str, Any] = dict(hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)
         if self.impl != "reference" and self.has_fast_path(q, cache):
             return self.fast(q, k, v, **kwargs)
         return self.reference(q, k, v, **kwargs)
@@ -255,7 +255,7 @@ def kv_cache_nbytes(cache: KVCache) -> int:
     preallocated capacity counts, and a view counts its whole storage."""
     seen: dict[tuple[str, int], int] = {}
 
-    def visit(x) -> None:
+    def visit(x: object) -> None:
         if isinstance(x, Tensor):
             storage = x.untyped_storage()
             seen[(str(x.device), storage.data_ptr() or id(storage))] = storage.nbytes()

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 MIN_HEAD_DIM = 16  # FlexAttention's compiled kernels need a head dimension of at least 16
 
@@ -41,16 +46,16 @@ def flex_supports(q: torch.Tensor) -> bool:
     return (q.is_cuda or _FORCED) and q.shape[-1] >= MIN_HEAD_DIM and flex_available()
 
 
-_COMPILED: dict[str, object] = {}
+_COMPILED: dict[str, Callable[..., Any]] = {}
 
 
-def _flex_call(*args, **kwargs):
+def _flex_call(*args: Any, **kwargs: Any) -> Any:
     from torch.nn.attention.flex_attention import flex_attention
 
     return flex_attention(*args, **kwargs)
 
 
-def flex_attention_fn(compiled: bool, site: str):
+def flex_attention_fn(compiled: bool, site: str) -> Callable[..., Any]:
     """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests).
 
     One compiled function per call ``site``, with dynamic shapes: dynamo's recompile budget (8) is per code object,
@@ -69,11 +74,11 @@ def flex_attention_fn(compiled: bool, site: str):
     return fn
 
 
-_BLOCK_MASKS: dict = {}
+_BLOCK_MASKS: dict[Hashable, BlockMask] = {}
 MAX_CACHED_BLOCK_MASKS = 64
 
 
-def cached_block_mask(key, build):
+def cached_block_mask(key: Hashable, build: Callable[[], BlockMask]) -> BlockMask:
     """A block mask built once per ``key`` (shape, device, ...) and shared by every layer and call.
 
     Build it without a data-dependent ``mask_mod`` (the cache would keep that layer's tensors alive); a caller that
@@ -89,11 +94,11 @@ def cached_block_mask(key, build):
     return mask
 
 
-def causal_block_mask(tq: int, tk: int, device, block: int = 128):
+def causal_block_mask(tq: int, tk: int, device: torch.device | str, block: int = 128) -> BlockMask:
     """Causal BlockMask for queries at positions [tk - tq, tk) over keys [0, tk), built from block arithmetic (no
     dense mask), with the blocks wholly below the diagonal marked full; cached per shape and shared by layers."""
 
-    def build():
+    def build() -> BlockMask:
         from torch.nn.attention.flex_attention import BlockMask
 
         start = tk - tq
@@ -107,7 +112,7 @@ def causal_block_mask(tq: int, tk: int, device, block: int = 128):
         full_idx = torch.where(r < n_full[:, None], r, 0)
         partial_idx = torch.where(r < n_partial[:, None], n_full[:, None] + r, 0).clamp(max=nk - 1)
 
-        def causal(b, h, q_idx, kv_idx):
+        def causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return kv_idx <= q_idx + start
 
         return BlockMask.from_kv_blocks(

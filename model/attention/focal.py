@@ -68,6 +68,7 @@ class FocalAttention(FullAttention):
 
     def tau(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> Tensor:
         """[B, Tq] divisor of each query's logits."""
+        assert self.w_tau is not None  # learned mode: the only caller
         z = hidden.to(self.w_tau.dtype) @ self.w_tau  # [B, Tq]
         if self.cfg.scope != "query":
             csum = torch.cumsum(z, dim=1)

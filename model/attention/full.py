@@ -46,7 +46,9 @@ class FullAttention(Attention):
     def stats(self, scale: float | Tensor) -> dict[str, Tensor]:
         return {}
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         scale = self.logit_scale(hidden, q_pos, cache)
         p = ref.masked_softmax(ref.scores(q, k, scale), ref.causal_mask(q_pos, k_pos))
         # the weights are materialised here anyway: sink ratio and density come free (the fast path skips them)
@@ -56,7 +58,9 @@ class FullAttention(Attention):
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True  # SDPA covers every device and dtype
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         scale = self.logit_scale(hidden, q_pos, cache)
         stats = self.stats(scale) if self.collect_stats else {}
         if isinstance(scale, Tensor):  # a per-query scale folds into q; the kernel then scales by 1
@@ -68,7 +72,7 @@ class FullAttention(Attention):
 
     supports_documents = True
 
-    def document_attention(self, q, k, v, *, hidden, documents) -> AttnOut:
+    def document_attention(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, documents: Tensor) -> AttnOut:
         """Within-document causal attention: the dense masked reference, SDPA with the boolean
         mask as the fast path, FlexAttention (a document block mask, fully masked blocks skipped)
         on CUDA."""
@@ -104,7 +108,7 @@ def flex_document_attention(
     """FlexAttention with a causal, same-document block mask (compiled on CUDA, eager elsewhere)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def same_document(b, h, q_idx, kv_idx):
+    def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
         return (kv_idx <= q_idx) & (documents[b, q_idx] == documents[b, kv_idx])
 
     b, _, t, _ = q.shape

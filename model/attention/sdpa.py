@@ -9,6 +9,8 @@ These calls therefore leave cuDNN out; fixed-shape training calls keep torch's c
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -16,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
-def sdpa_varying(q: Tensor, k: Tensor, v: Tensor, **kwargs) -> Tensor:
+def sdpa_varying(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
     """``F.scaled_dot_product_attention`` for a shape that changes per call (on CUDA without cuDNN's backend)."""
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, **kwargs)

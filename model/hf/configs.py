@@ -67,6 +67,14 @@ def _get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
+def _required(params: dict[str, Any], key: str, kind: str) -> Any:
+    """``params[key]``, which rope type ``kind`` cannot do without (a one-line error, not float(None)'s TypeError)."""
+    value = params.get(key)
+    if value is None:
+        raise ConfigError(f"hf: rope_scaling.{key}: required by rope type {kind!r}")
+    return value
+
+
 def _refuse(arch: str, what: str) -> ConfigError:
     return ConfigError(f"hf: {arch} with {what} is not supported")
 
@@ -87,11 +95,12 @@ def rope_from_hf(hf: dict[str, Any], arch: str, max_pos: int) -> tuple[RopeConfi
     if kind == "default":
         return RopeConfig(theta=theta), max_pos, []
     if kind == "linear":
-        return RopeConfig(theta=theta, scaling="linear", factor=float(factor)), max_pos, []
+        return RopeConfig(theta=theta, scaling="linear", factor=float(_required(params, "factor", kind))), max_pos, []
     if kind == "dynamic":
         # HF's dynamic NTK grows the base past max_position_embeddings, its original length
-        rope = RopeConfig(theta=theta, scaling="dynamic_ntk", factor=float(factor), original_max_seq_len=max_pos)
-        length = int(max_pos * float(factor))
+        factor = float(_required(params, "factor", kind))
+        rope = RopeConfig(theta=theta, scaling="dynamic_ntk", factor=factor, original_max_seq_len=max_pos)
+        length = int(max_pos * factor)
         return rope, length, [f"rope: dynamic NTK from {max_pos} tokens; max_seq_len set to {length} (x factor)"]
     if kind == "yarn":
         if params.get("mscale") or params.get("mscale_all_dim"):
@@ -113,8 +122,8 @@ def rope_from_hf(hf: dict[str, Any], arch: str, max_pos: int) -> tuple[RopeConfi
         rope = RopeConfig(
             theta=theta,
             scaling="llama3",
-            factor=float(factor),
-            original_max_seq_len=int(original),
+            factor=float(_required(params, "factor", kind)),
+            original_max_seq_len=int(_required(params, "original_max_position_embeddings", kind)),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
         )
@@ -373,7 +382,7 @@ def hf_config_from_model(
         else:
             out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
     if cfg.attention.kind != "full":
-        out["model_type"] = VARIANT_TYPE_PREFIX + out["model_type"]
+        out["model_type"] = VARIANT_TYPE_PREFIX + str(out["model_type"])
         out[VARIANT_KEY] = variant_settings(cfg)
     return out
 

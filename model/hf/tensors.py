@@ -130,7 +130,8 @@ def to_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig, arch: str | Non
     used: set[str] = set()
     if cfg.tie_embeddings:  # one tensor under either name (safetensors' save_model keeps one of them)
         state = dict(state)
-        state.setdefault("tok_emb.weight", state.get("lm_head.weight"))
+        if "lm_head.weight" in state:
+            state.setdefault("tok_emb.weight", state["lm_head.weight"])
         state.pop("lm_head.weight", None)
     out: dict[str, Tensor] = {}
     for rule in _rules(cfg, arch):

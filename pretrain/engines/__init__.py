@@ -7,6 +7,7 @@ without importing the trainer) plus an ``Engine`` subclass registered here under
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -44,7 +45,7 @@ for _cls in (SingleEngine, DDPEngine, FSDP2Engine, DeepSpeedEngine):
 
 
 @contextlib.contextmanager
-def rank_zero_first():
+def rank_zero_first() -> Iterator[None]:
     """Rank 0 runs the block first (training a tokenizer, writing caches), the others then read
     what it wrote, so every rank tokenises with the same model. A no-op in one process."""
     import torch.distributed as dist

@@ -143,11 +143,11 @@ class Engine:
     def barrier(self) -> None:
         pass
 
-    def broadcast_object(self, obj):
+    def broadcast_object(self, obj: Any) -> Any:
         """Rank 0's ``obj`` on every rank."""
         return obj
 
-    def gather_object(self, obj) -> list:
+    def gather_object(self, obj: Any) -> list:
         """Every rank's ``obj``, in rank order (on every rank)."""
         return [obj]
 

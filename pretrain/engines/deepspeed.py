@@ -25,6 +25,7 @@ from pretrain.engines.base import MicroStepOut
 from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine, check_written_by
 
 if TYPE_CHECKING:
+    from model.transformer import Transformer
     from run.config import TrainConfig
 
 DS_TAG = "ds"
@@ -62,7 +63,7 @@ def deepspeed_config(cfg: TrainConfig, world_size: int, bf16: bool) -> dict[str,
 class DeepSpeedEngine(DataParallelEngine):
     name = "deepspeed"
 
-    def __init__(self, model, cfg: TrainConfig, device: torch.device):
+    def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
         if cfg.compile:
             raise ConfigError(
                 "train.compile: not supported with train.engine=deepspeed here; use fsdp2 for torch.compile"
@@ -73,7 +74,7 @@ class DeepSpeedEngine(DataParallelEngine):
     def autocast_dtype(self) -> torch.dtype | None:
         return None  # DeepSpeed casts the model itself when bf16 is on
 
-    def wrap(self, model) -> torch.nn.Module:
+    def wrap(self, model: Transformer) -> torch.nn.Module:
         """ZeRO-3 gathers a module's partitioned parameters for its backward through hooks on the tensors its forward
         returns. An attention core returns an ``AttnOut``, which DeepSpeed does not look into, so the core's own
         parameters (Focus's centroids and lambda, focal's and Lazy's temperatures and biases) would still be
@@ -86,7 +87,7 @@ class DeepSpeedEngine(DataParallelEngine):
                     register_external_parameter(block, param)
         return model
 
-    def make_optimizer(self, model) -> tuple[Any, Any]:
+    def make_optimizer(self, model: Transformer) -> tuple[Any, Any]:
         """DeepSpeed wraps model and optimizer together: the wrapped module is set here."""
         import deepspeed
 

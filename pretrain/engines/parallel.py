@@ -16,7 +16,7 @@ import os
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -28,6 +28,10 @@ from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    from model.transformer import Transformer
     from run.config import TrainConfig
 
 DCP_DIR = "dcp"
@@ -69,7 +73,7 @@ def check_written_by(directory: Path, own: str, engine: str) -> None:
 class DataParallelEngine(Engine):
     """What DDP and FSDP2 share: collectives, DCP checkpoints, the consolidated weights."""
 
-    def __init__(self, model, cfg: TrainConfig, device: torch.device):
+    def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
         if not dist.is_initialized():
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -128,8 +132,7 @@ class DataParallelEngine(Engine):
             return None
         parts = []
         for rank in behind:
-            step, when = beats.get(rank, (None, None))
-            seen = f"last at step {step}, {now - when:.0f} s ago" if when is not None else "no step recorded"
+            seen = f"last at step {beats[rank][0]}, {now - beats[rank][1]:.0f} s ago" if rank in beats else "no step"
             parts.append(f"rank {rank} ({seen})")
         return ", ".join(parts)
 
@@ -147,7 +150,7 @@ class DataParallelEngine(Engine):
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
         full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            self._write_consolidated(directory, full)
+            self._write_consolidated(directory, cast("dict[str, Tensor]", full))  # a full state dict: tensors only
 
     def _write_consolidated(self, directory: Path, full: dict[str, Tensor]) -> None:
         """The main rank's share of a checkpoint: the whole weights ``full`` (``MODEL_FILE``) and the scheduler."""
@@ -163,7 +166,7 @@ class DataParallelEngine(Engine):
 
         check_written_by(directory, DCP_DIR, "a DCP engine (ddp / fsdp2)")
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
-        state = {"model": model_sd, "optim": optim_sd}
+        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
         restore = _saved_scalars_as_views(state, directory / DCP_DIR)
         dcp_load(state, directory / DCP_DIR)  # torch's reader unpickles .metadata unchecked; this one does not
         for container, key, tensor in restore:
@@ -202,14 +205,14 @@ class DDPEngine(DataParallelEngine):
 
     name = "ddp"
 
-    def wrap(self, model) -> nn.Module:
+    def wrap(self, model: Transformer) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(model, device_ids=ids)
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if sync else self.wrapped.no_sync()
+        return contextlib.nullcontext() if sync else cast("DistributedDataParallel", self.wrapped).no_sync()
 
     def trainable_changed(self) -> None:
         """DDP's reducer (gradient buckets and the autograd hooks that all-reduce them) covers the parameters that
@@ -230,7 +233,7 @@ class FSDP2Engine(DataParallelEngine):
 
     name = "fsdp2"
 
-    def wrap(self, model) -> nn.Module:
+    def wrap(self, model: Transformer) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -253,7 +256,7 @@ class FSDP2Engine(DataParallelEngine):
         return model
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
-        self.wrapped.set_requires_gradient_sync(sync)
+        cast("FSDPModule", self.wrapped).set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
     def trainable_changed(self) -> None:

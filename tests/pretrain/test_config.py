@@ -23,7 +23,7 @@ def test_tiny_config_loads_with_preset_and_overrides():
 
 def test_resolved_config_round_trips_through_toml():
     cfg = load_run_config(TINY, ["model.qk_norm=true", "train.lr=0.01"])
-    again = run_config_from_dict(__import__("tomllib").loads(cfg.to_toml()))
+    again = run_config_from_dict(configlib.tomllib.loads(cfg.to_toml()))
     assert again.to_dict() == cfg.to_dict()
     assert "[model.attention.full]" in cfg.to_toml()
 
@@ -91,8 +91,7 @@ def test_missing_config_file():
 
 
 def test_a_resolved_config_without_a_preset_loads_back():
-    import tomllib
-
+    from core.configlib import tomllib
     from run.config import run_config_from_dict
 
     cfg = run_config_from_dict({"model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "vocab_size": 128}})

@@ -194,7 +194,9 @@ class DynamicGroupAttention(GroupedKVCache):
         )
         return units * c, offsets
 
-    def _compress_causal(self, q, k, v, first: int, last: int, q_base: int = 0, k_base: int = 0):
+    def _compress_causal(
+        self, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, q_base: int = 0, k_base: int = 0
+    ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         """Compressed entries (k, v, avail) of chunks first..last-1: visible from position (c+2) C."""
         c = self.cfg.chunk_size
         starts, offsets = self._causal_units(first, last)
@@ -202,7 +204,7 @@ class DynamicGroupAttention(GroupedKVCache):
         avail = ((starts + 2 * c).to(k.device))[:, None]  # [U, 1]
         return comp, comp.entries(avail, avail)
 
-    def _compress_sequence(self, q, k, v):
+    def _compress_sequence(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         t = k.shape[2]
         offsets = sample_offsets(t, self.cfg.sample_recent, self.cfg.sample_random, self.cfg.seed * 1_000_003 + t)[None]
         comp = self.compress(q, k, v, torch.zeros(1, dtype=torch.long), t, t, offsets)
@@ -239,7 +241,9 @@ class DynamicGroupAttention(GroupedKVCache):
             agg = last[:, :, None, :] <= q_pos[None, None, :, None]
         return raw, agg
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         # a call with a cache never gets here: ``forward`` sends it to the grouped cache (``_cached``)
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
@@ -253,7 +257,9 @@ class DynamicGroupAttention(GroupedKVCache):
         stats = self._stats(mask.sum(-1), q_pos) if self.collect_stats else {}
         return AttnOut(ref.weighted_values(p, values, q.dtype), stats=stats)
 
-    def _compress_uncached(self, q, k, v, last_query_pos: int):
+    def _compress_uncached(
+        self, q: Tensor, k: Tensor, v: Tensor, last_query_pos: int
+    ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         if self.cfg.selection == "causal":
             return self._compress_causal(q, k, v, 0, self._needed_chunks(last_query_pos))
         return self._compress_sequence(q, k, v)
@@ -262,7 +268,9 @@ class DynamicGroupAttention(GroupedKVCache):
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True  # the gathered path is exact on every device; CUDA uses FlexAttention when available
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         comp, (ck, cv, avail) = self._compress_uncached(q, k, v, int(q_pos[-1]))
@@ -348,7 +356,9 @@ class DynamicGroupAttention(GroupedKVCache):
         )
         return out.to(qb.dtype), cmask.sum(-1) + lmask.sum(-1)
 
-    def _attend_window(self, q, q_pos, k, v, ck, cv, avail, k_base: int = 0) -> tuple[Tensor, Tensor]:
+    def _attend_window(
+        self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, k_base: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """Causal form: compressed chunks <= j-2 plus the raw chunks j-1 and j (up to the query).
         k/v row p holds position p + k_base (the cache keeps raw keys from the window of its first query on)."""
         b, h, tq, d = q.shape
@@ -380,7 +390,9 @@ class DynamicGroupAttention(GroupedKVCache):
             out, counts = out[:, :, keep], counts[:, :, keep]
         return out, counts
 
-    def _attend_complementary(self, q, q_pos, k, v, comp: Compressed, ck, cv, avail) -> tuple[Tensor, Tensor]:
+    def _attend_complementary(
+        self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor
+    ) -> tuple[Tensor, Tensor]:
         """Sequence form: focal and finished aggregates, plus the members of the query's own unfinished group
         up to it."""
         b, h, tq, d = q.shape
@@ -402,7 +414,9 @@ class DynamicGroupAttention(GroupedKVCache):
         out, counts = self._attend(q[:, :, :, None], q_pos[:, None], ck, cv, avail, lk, lv, lmask)
         return out.reshape(b, h, tq, d), counts.reshape(b, h, tq)
 
-    def _flex(self, q, k, v, comp: Compressed, ck, cv, avail, q_pos) -> Tensor:
+    def _flex(
+        self, q: Tensor, k: Tensor, v: Tensor, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, q_pos: Tensor
+    ) -> Tensor:
         """One FlexAttention call over [compressed entries; raw keys] with appendix D's mask as a mask_mod."""
         from torch.nn.attention.flex_attention import create_block_mask
 
@@ -415,7 +429,7 @@ class DynamicGroupAttention(GroupedKVCache):
         keys, values = torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
         if self.cfg.selection == "causal":
 
-            def raw_visible(bi, hi, qp, t):
+            def raw_visible(bi: Tensor, hi: Tensor, qp: Tensor, t: Tensor) -> Tensor:
                 return (t <= qp) & (t // c >= qp // c - 1)
         else:
             group_last = torch.full((b, h, tk), tk, dtype=torch.long, device=q.device)  # focal: never "unfinished"
@@ -426,16 +440,16 @@ class DynamicGroupAttention(GroupedKVCache):
                 -1, comp.focal_pos.reshape(b, h, -1), True
             )
 
-            def raw_visible(bi, hi, qp, t):
+            def raw_visible(bi: Tensor, hi: Tensor, qp: Tensor, t: Tensor) -> Tensor:
                 return (t <= qp) & ~focal[bi, hi, t] & (group_last[bi, hi, t] > qp)
 
         if n == 0:  # nothing compressed yet: every visible key is raw
 
-            def mask_mod(bi, hi, qi, kv):
+            def mask_mod(bi: Tensor, hi: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
                 return raw_visible(bi, hi, q_pos[qi], kv)
         else:
 
-            def mask_mod(bi, hi, qi, kv):
+            def mask_mod(bi: Tensor, hi: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
                 qp = q_pos[qi]
                 comp_ok = avail[bi, hi, kv.clamp(max=n - 1)] <= qp
                 return torch.where(kv < n, comp_ok, raw_visible(bi, hi, qp, (kv - n).clamp(min=0)))
@@ -455,7 +469,7 @@ class DynamicGroupAttention(GroupedKVCache):
         pad = q.new_zeros(b, h, n_pad - n, d)
         keys, values = torch.cat([ck, pad, k], dim=2), torch.cat([cv, pad, v], dim=2)
 
-        def mask_mod(bi, hi, qi, kv):
+        def mask_mod(bi: Tensor, hi: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
             qp = q_pos[qi]
             comp_ok = (kv < n) & ((kv // e + 2) * c <= qp)
             r = kv - n_pad

@@ -4,7 +4,7 @@ folded yet, so decode reads far fewer keys than full attention keeps (docs/dga.m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -12,6 +12,9 @@ from torch import Tensor
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, kv_cache_nbytes
 from model.attention.dga.config import DGAConfig, focal_count
+
+if TYPE_CHECKING:
+    from model.attention.dga.compressed import Compressed
 from model.attention.sdpa import sdpa_varying
 
 
@@ -23,13 +26,39 @@ class GroupedKVCache(Attention):
     scale: float
     if TYPE_CHECKING:
 
-        def _compress_causal(self, q, k, v, first: int, last: int, q_base: int = 0, k_base: int = 0) -> Any: ...
-        def _compress_sequence(self, q, k, v) -> Any: ...
+        def _compress_causal(
+            self, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, q_base: int = 0, k_base: int = 0
+        ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]: ...
+        def _compress_sequence(
+            self, q: Tensor, k: Tensor, v: Tensor
+        ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]: ...
         def _needed_chunks(self, last_query_pos: int) -> int: ...
-        def _attend_window(self, q, q_pos, k, v, ck, cv, avail, k_base: int = 0) -> tuple[Tensor, Tensor]: ...
-        def _attend_complementary(self, q, q_pos, k, v, comp, ck, cv, avail) -> tuple[Tensor, Tensor]: ...
+        def _attend_window(
+            self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, k_base: int = 0
+        ) -> tuple[Tensor, Tensor]: ...
+        def _attend_complementary(
+            self,
+            q: Tensor,
+            q_pos: Tensor,
+            k: Tensor,
+            v: Tensor,
+            comp: Compressed,
+            ck: Tensor,
+            cv: Tensor,
+            avail: Tensor,
+        ) -> tuple[Tensor, Tensor]: ...
 
-    def forward(self, q, k, v, *, hidden, positions, cache=None, documents=None) -> AttnOut:
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor,
+        positions: Tensor,
+        cache: KVCache | None = None,
+        documents: Tensor | None = None,
+    ) -> AttnOut:
         """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
         entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
         freed on first use and never appended to; ``cache.length`` still counts every token."""
@@ -42,7 +71,7 @@ class GroupedKVCache(Attention):
             cache.k, cache.v = cache.k.new_empty(0), cache.v.new_empty(0)
         return self._cached(q, k, v, positions, cache)
 
-    def _cached(self, q, k, v, q_pos, cache: KVCache) -> AttnOut:
+    def _cached(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cache: KVCache) -> AttnOut:
         """q: the new queries; k, v: the new keys and values only (positions cache.length ..)."""
         if self.cfg.selection == "causal":
             out = self._cached_causal(q, k, v, q_pos, cache)
@@ -78,7 +107,7 @@ class GroupedKVCache(Attention):
             }
         return st
 
-    def _cached_causal(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
+    def _cached_causal(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cache: KVCache) -> Tensor:
         hq, t = q.shape[1], q.shape[2]
         c = self.cfg.chunk_size
         st = self._causal_state(cache, q)
@@ -117,7 +146,7 @@ class GroupedKVCache(Attention):
             out = sdpa_varying(q, keys, values, scale=self.scale)
         return out
 
-    def _cached_sequence(self, q, k, v, q_pos, cache: KVCache) -> Tensor:
+    def _cached_sequence(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cache: KVCache) -> Tensor:
         """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1).
         The cache holds the compressed entries and the fewer than m' raw tokens since the last fold."""
         hq = q.shape[1]

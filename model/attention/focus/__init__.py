@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -155,7 +156,7 @@ class FocusAttention(Attention):
         with torch.no_grad():
             self.lam.fill_(float(self.cfg.lambda_init))
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs) -> None:
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
         lam = state_dict.get(prefix + "lam")
         if lam is not None and lam.dim() == 0:  # saved while lambda was a 0-dim tensor
             state_dict[prefix + "lam"] = lam.reshape(1)
@@ -227,7 +228,9 @@ class FocusAttention(Attention):
             return F.logsigmoid(lam * (affinity - 0.5)), distant
         return torch.sigmoid(lam * affinity), distant
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         g_q, g_k = self.assignments(hidden, cache)
         if self.cfg.mode == "soft":
             return self._out(self.soft_dense(q, k, v, g_q, g_k, q_pos, k_pos), g_q, g_k, q_pos, k_pos, cache)
@@ -254,7 +257,9 @@ class FocusAttention(Attention):
             return True  # the exact decomposition runs on any device
         return flex_supports(q) or (q.device.type == "cpu" and q.dtype in soft_dtypes())
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         if self._host_decodes(q, k, q_pos, cache):
             assert cache is not None  # checked there
             host = self._hard_decode_host(q, k, v, hidden=hidden, cache=cache)
@@ -379,7 +384,7 @@ class FocusAttention(Attention):
         terms_k = [t.contiguous() for t in a_k.unbind(-1)]
         q_pos = q_pos.to(q.device)
 
-        def gated(score, b, h, qi, kv):
+        def gated(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
             x = terms_q[0][b, qi] * terms_k[0][b, kv]
             for tq_c, tk_c in zip(terms_q[1:], terms_k[1:]):
                 x = x + tq_c[b, qi] * tk_c[b, kv]

@@ -13,6 +13,7 @@ logsumexp over groups (every token's row sums to 1).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -79,7 +80,11 @@ def _sinkhorn_token(scores: Tensor, iters: int, state: Tensor) -> tuple[Tensor, 
 
 
 def sinkhorn_token_host(
-    scores: list[float], state: list[list[float]], exp=math.exp, log=math.log, log1p=math.log1p
+    scores: list[float],
+    state: list[list[float]],
+    exp: Callable[[float], float] = math.exp,
+    log: Callable[[float], float] = math.log,
+    log1p: Callable[[float], float] = math.log1p,
 ) -> tuple[list[float], list[list[float]]] | None:
     """``_sinkhorn_token`` of one sequence's token on host floats (float64): scores [K] and that sequence's state
     [iters][K] (finite: the caller checks a state it did not get from here) -> (assignment [K], the new state

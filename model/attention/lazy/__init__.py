@@ -30,8 +30,9 @@ O(Tq * Tk) there. Sink ratio and density come from its weights (a row sum per bl
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,9 @@ from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
 from model.attention.flex import flex_supports
 from model.attention.lazy.blockwise import MIN_ROWS, elastic_blockwise, kernel_dtypes
+
+if TYPE_CHECKING:
+    from torch.nn.attention.flex_attention import BlockMask
 
 BIAS_INITS = ("zeros", "alibi")
 
@@ -102,9 +106,11 @@ class LazyAttention(Attention):
         a = torch.relu(p - self.tau.to(p.dtype)[None, :, None, None] / n[None, None, :, None])
         return a.masked_fill(~mask, 0.0)  # a negative tau must not open the future
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         a = self.weights(q, k, q_pos, k_pos)
-        stats = {}
+        stats: dict[str, Tensor] = {}
         if self.collect_stats:
             stats = {**ref.sink_and_density(a, k_pos), "tau": self.tau.mean().detach()}
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
@@ -182,22 +188,23 @@ class LazyAttention(Attention):
 
 
 def elastic_two_pass(
-    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, q_pos: Tensor, block_mask, scale: float, last: int
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, q_pos: Tensor, block_mask: BlockMask | None,
+    scale: float, last: int,
+) -> Tensor:  # fmt: skip
     """sum_j relu(softmax_j(s_ij) - tau_h / (q_pos_i + 1)) v_j with s = q.k * scale - bias[h, clamp(i - j, 0, last)],
     as two FlexAttention calls (module docstring); keys at positions 0 .. Tk - 1, ``block_mask`` causal."""
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
 
-    def biased(score, b, h, qi, kv):
+    def biased(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         return score - bias[h, (q_pos[qi] - kv).clamp(0, last)].to(score.dtype)
 
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1], return_aux=AuxRequest(lse=True)
     )
     out1, aux1 = flex_attention(q, k, v, score_mod=biased, **kwargs)
     lse = aux1.lse
 
-    def elastic(score, b, h, qi, kv):
+    def elastic(score: Tensor, b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         # s <= lse on every visible key, so the bound never changes a weight; it keeps future keys
         # (masked out after this mod) finite, so that their zero gradient stays zero
         p = torch.exp(torch.clamp(biased(score, b, h, qi, kv) - lse[b, h, qi].to(score.dtype), max=1.0))
@@ -218,11 +225,12 @@ def elastic_two_pass(
     return (out + 0.0 * out1).to(q.dtype)
 
 
-_COMPILED = None
-COMPILE_OPTIONS = dict(dynamic=True)  # lengths are symbolic: decode and variable-length evaluation do not recompile
+_COMPILED: Callable[..., Tensor] | None = None
+# lengths are symbolic: decode and variable-length evaluation do not recompile
+COMPILE_OPTIONS: dict[str, Any] = dict(dynamic=True)
 
 
-def compiled_two_pass():
+def compiled_two_pass() -> Callable[..., Tensor]:
     """``elastic_two_pass`` compiled (the fused FlexAttention kernels). A compiled frame of its own, so its few graphs
     (decode without a block mask, one or many query / key blocks, with and without grad) do not share dynamo's
     per-function recompile budget (8) with other FlexAttention users; past it dynamo runs a function eagerly."""
@@ -232,11 +240,11 @@ def compiled_two_pass():
     return _COMPILED
 
 
-_BLOCK_MASKS: dict[tuple[int, int, str], object] = {}
+_BLOCK_MASKS: dict[tuple[int, int, str], BlockMask] = {}
 BLOCK_MASKS_KEPT = 8  # distinct (query, key) lengths kept; the oldest is dropped first
 
 
-def causal_block_mask(tq: int, tk: int, device: torch.device | str):
+def causal_block_mask(tq: int, tk: int, device: torch.device | str) -> BlockMask | None:
     """FlexAttention block mask for queries at positions ``tk - tq .. tk - 1`` over keys ``0 .. tk - 1``,
     cached per shape and shared by every layer and module; None for one query (it sees every key)."""
     if tq == 1:
@@ -250,7 +258,7 @@ def causal_block_mask(tq: int, tk: int, device: torch.device | str):
     if mask is None:
         offset = torch.tensor(tk - tq, device=device)  # a tensor, so a compiled flex does not specialise on it
 
-        def causal(b, h, qi, kv):
+        def causal(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
             return kv <= qi + offset
 
         mask = create_block_mask(causal, None, None, tq, tk, device=device)

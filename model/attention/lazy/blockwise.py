@@ -186,7 +186,7 @@ def logsumexp_rows(scores: _Scores, layout: Layout) -> Tensor:
 
 class ElasticBlockwise(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]  # autograd.Function's forward takes the ctx and the inputs
+    def forward(
         ctx: Any,
         q: Tensor,
         k: Tensor,
@@ -237,7 +237,7 @@ class ElasticBlockwise(torch.autograd.Function):
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, table, tau, qb, kb, vb, ob, ab, lse, c = ctx.saved_tensors
         lay: Layout = ctx.layout
         block, d, dtype = lay.block, qb.shape[-1], qb.dtype

@@ -268,6 +268,8 @@ class PrescoredHyperAttention(Attention):
         "evaluate with this variant (docs/prescored_hyper.md)"
     )
     trainable = False  # an inference-time approximation (train with full attention)
+    projections: Tensor  # buffers
+    gray_rank: Tensor
 
     def __init__(self, cfg: PrescoredHyperConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
@@ -345,7 +347,9 @@ class PrescoredHyperAttention(Attention):
         halve(0, tq)
         return pieces
 
-    def _hyper_piece(self, q, qs, qe, lo, hi, kept, qrank, krank) -> HyperPiece:
+    def _hyper_piece(
+        self, q: Tensor, qs: int, qe: int, lo: int, hi: int, kept: Tensor, qrank: Tensor, krank: Tensor
+    ) -> HyperPiece:
         """Queries qs..qe-1 against the kept keys at positions [lo, hi), all of them before every query."""
         b, hq = q.shape[:2]
         rep = hq // kept.shape[1]
@@ -393,7 +397,16 @@ class PrescoredHyperAttention(Attention):
         )
 
     # ---- reference: the plan as one dense weighted softmax -------------------------------
-    def log_weights(self, pieces, b: int, hq: int, tq: int, tk: int, q_pos: Tensor, device) -> Tensor:
+    def log_weights(
+        self,
+        pieces: list[ExactPiece | HyperPiece],
+        b: int,
+        hq: int,
+        tq: int,
+        tk: int,
+        q_pos: Tensor,
+        device: torch.device,
+    ) -> Tensor:
         """[B, H, Tq, Tk]: log w_ij (0 for weight 1, log(n/s) for a sampled column, -inf for none)."""
         lw = torch.full((b, hq, tq, tk), -math.inf, dtype=torch.float64, device=device)
         for piece in pieces:
@@ -417,7 +430,9 @@ class PrescoredHyperAttention(Attention):
             lw[:, :, rows] = torch.maximum(lw[:, :, rows], full)
         return lw
 
-    def reference(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         pieces = self.plan(q, k, q_pos, dense=True)
         b, hq, tq, _ = q.shape
         lw = self.log_weights(pieces, b, hq, tq, k.shape[2], q_pos, q.device)
@@ -434,7 +449,9 @@ class PrescoredHyperAttention(Attention):
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True
 
-    def fast(self, q, k, v, *, hidden, q_pos, k_pos, cache) -> AttnOut:
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
         pieces = self.plan(q, k, q_pos)
         b, hq, tq, d = q.shape
         dt = torch.promote_types(q.dtype, torch.float32)
@@ -493,7 +510,7 @@ class PrescoredHyperAttention(Attention):
         lse = torch.where(den > 0, torch.log(den.clamp(min=tiny)) + mx[..., 0], torch.full_like(den, _EMPTY))
         return (e @ v) / den.clamp(min=tiny)[..., None], lse
 
-    def _exact(self, q, k, v, q_pos, klo) -> tuple[Tensor, Tensor]:
+    def _exact(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, klo: int) -> tuple[Tensor, Tensor]:
         dt = torch.promote_types(q.dtype, torch.float32)
         b, hq, tq, _ = q.shape
         ve = ref.expand_kv(v, hq).to(dt)
@@ -505,7 +522,7 @@ class PrescoredHyperAttention(Attention):
 
         return _in_row_chunks(rows, tq, b * hq * k.shape[2])
 
-    def _hyper(self, q, k, v, piece: HyperPiece) -> tuple[Tensor, Tensor]:
+    def _hyper(self, q: Tensor, k: Tensor, v: Tensor, piece: HyperPiece) -> tuple[Tensor, Tensor]:
         b, hq, _, d = q.shape
         hkv = k.shape[1]
         rep = hq // hkv

@@ -35,6 +35,7 @@ cached and shared by every layer. Neither block mask is ever expanded to tokens.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -122,7 +123,20 @@ class HardPlan:
             ends = torch.searchsorted(ik, q_pos, right=True).tolist()  # keys at or before each query
             yield from self._staircase(b, iq, ik, q_pos, starts, ends, 0, iq.numel(), 0, 0, dtype)
 
-    def _staircase(self, b, iq, ik, q_pos, starts, ends, lo, hi, k_lo, level, dtype) -> Iterator[Part]:
+    def _staircase(
+        self,
+        b: int,
+        iq: Tensor,
+        ik: Tensor,
+        q_pos: Tensor,
+        starts: list[int],
+        ends: list[int],
+        lo: int,
+        hi: int,
+        k_lo: int,
+        level: int,
+        dtype: torch.dtype,
+    ) -> Iterator[Part]:
         """Queries [lo, hi) of a class over its keys from ``k_lo`` on (the keys before ``k_lo`` are done).
 
         Chunks of CLASS_LEVELS[level] queries. Each chunk reads the keys before its first query unmasked; a chunk of
@@ -191,19 +205,19 @@ class HardPlan:
                 yield Part(Rows(b, iq), Rows(b, ik), causal=True, exclusive=exclusive)
                 continue
             q_pos = iq + self.start
-            rows = max(16, MASK_ELEMENTS // ik.numel())
-            for a in range(0, iq.numel(), rows):
-                e = min(a + rows, iq.numel())
+            chunk = max(16, MASK_ELEMENTS // ik.numel())
+            for a in range(0, iq.numel(), chunk):
+                e = min(a + chunk, iq.numel())
                 n_keys = e if aligned else int(torch.searchsorted(ik, q_pos[e - 1], right=True))
                 if n_keys == 0:
                     continue
-                keys = ik[:n_keys]
-                allowed = keys[None, :] <= q_pos[a:e, None]
+                key_idx = ik[:n_keys]
+                allowed = key_idx[None, :] <= q_pos[a:e, None]
                 if dedup:
                     allowed &= (lq[a:e, None] & lk[None, :n_keys]) == 0
                 yield Part(
                     Rows(b, iq[a:e]),
-                    Rows(b, keys),
+                    Rows(b, key_idx),
                     causal=False,
                     mask=additive(allowed, dtype)[None, None],
                     nonempty=allowed.any(-1)[None, None],
@@ -293,7 +307,7 @@ def band_block(window: int) -> int:
 
 
 # ---- forward, backward, merge ------------------------------------------------------------------------------------
-def _merge(sel, out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
+def _merge(sel: Any, out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
     """Fold one part's (output, logsumexp) into the running ones, in place where the selector is a view."""
     cur = sel.take(lse)
     new = torch.logaddexp(cur, lse_part)
@@ -326,7 +340,9 @@ def _forward(q: Tensor, k: Tensor, v: Tensor, plan: HardPlan, scale: float) -> t
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _backward(
+    dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, plan: HardPlan, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
     cdt = out.dtype
     dq = torch.zeros(q.shape, dtype=cdt, device=q.device)
     dk = torch.zeros(k.shape, dtype=cdt, device=k.device)
@@ -364,14 +380,14 @@ def _backward(dout, q, k, v, out, lse, plan: HardPlan, scale: float) -> tuple[Te
 
 class _HardAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, plan, scale):
+    def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, plan: HardPlan, scale: float) -> Tensor:
         out, lse = _forward(q, k, v, plan, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.scale = plan, scale
         return out.to(q.dtype)
 
     @staticmethod
-    def backward(ctx, dout):
+    def backward(ctx: Any, dout: Tensor) -> tuple[Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
         return (*_backward(dout, q, k, v, out, lse, ctx.plan, ctx.scale), None, None)
 

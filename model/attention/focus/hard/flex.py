@@ -103,7 +103,9 @@ def group_block_mask_tensors(
     )
 
 
-def band_block_mask_tensors(tq: int, tk: int, window: int, *, block: int = FLEX_BLOCK, device=None):
+def band_block_mask_tensors(
+    tq: int, tk: int, window: int, *, block: int = FLEX_BLOCK, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
     """Block structure of the band call: queries at positions [tk - tq, tk) against keys within ``window`` before
     them (all partial: the cross-group condition depends on the data). Depends on the shape only."""
     start = tk - tq
@@ -141,7 +143,7 @@ def flex_hard_attention(
     k_s = k.gather(2, tok_k[:, None, :, None].expand(bsz, k.shape[1], -1, d))
     v_s = v.gather(2, tok_k[:, None, :, None].expand(bsz, v.shape[1], -1, d))
 
-    def same_group(b, hh, qi, kv):
+    def same_group(b: Tensor, hh: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         keep = (grp_q[b, qi] == grp_k[b, kv]) & (pos_k[b, kv] <= pos_q[b, qi])
         if top_k > 1:
             keep = keep & ((sbits_q[b, qi] & sbits_k[b, kv] & lower_q[b, qi]) == 0)
@@ -179,13 +181,13 @@ def flex_hard_attention(
     # ---- cross-group band: causal, i - j < window, no shared group, original order ----
     q_pos = torch.arange(start, tk, device=q.device)
 
-    def band(b, hh, qi, kv):
+    def band(b: Tensor, hh: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
         dist = q_pos[qi] - kv
         return (dist >= 0) & (dist < window) & ((bits_q[b, qi] & bits_k[b, kv]) == 0)
 
     structure = cached_block_mask(
         ("focus_band", tq, tk, window, str(q.device)),
-        lambda: BlockMask.from_kv_blocks(  # type: ignore[misc]  # mypy misreads the star-args
+        lambda: BlockMask.from_kv_blocks(
             *band_block_mask_tensors(tq, tk, window, device=q.device),
             BLOCK_SIZE=FLEX_BLOCK,
             seq_lengths=(tq, tk),
