@@ -10,9 +10,11 @@ offline without a process group. The output is written under a temporary name an
 offline: ``config.json`` (GPT-2, LLaMA, Qwen2 or Qwen3, whichever computes what the model does; see
 model/hf.py), ``model.safetensors`` (sharded past ``--max-shard-size``), ``generation_config.json`` and the
 tokenizer (data/hf_tokenizer.py). A model whose attention variant is not ``full`` is refused (transformers
-runs full attention only) unless ``--allow-variant``: then config.json names the variant and its
-``model_type`` is ``focused_<type>``, which ``AutoModelForCausalLM`` refuses rather than running the
-model with the wrong attention; ``python -m pretrain.hf_import`` reads it back.
+runs full attention only) unless ``--allow-variant``: then it is exported with custom code (model/hf/custom_code.py):
+``modeling_focused.py`` runs the project's own Transformer, copied into the folder, and config.json's ``auto_map``
+names it, so ``AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)`` runs the real attention and
+refuses without ``trust_remote_code``; the weights are ``focused_model.safetensors`` so that a stock class
+(``LlamaForCausalLM``) finds none and fails; ``python -m pretrain.hf_import`` reads it back.
 
 ``--only PATTERN`` (repeatable, safetensors): only the matching tensors, e.g. ``'*.core.*'``: a centroid file
 (an attention variant's own parameters, for swapping domains; ``pretrain/adapters.py``, docs/retrofit.md).
@@ -112,9 +114,12 @@ def export_hf(
         cfg, eos_id=eos, bos_id=bos, dtype=hf.DTYPE_NAMES[hf.DTYPES[dtype]], allow_variant=allow_variant
     )
     weights = hf.cast(hf.to_hf_state_dict(consolidated_weights(path), cfg), hf.DTYPES[dtype])
+    custom = cfg.attention.kind != "full"
     with atomic_directory(out) as tmp:
-        files = hf.save_hf_weights(weights, tmp, max_shard_size=max_shard_size)
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        stem = hf.CUSTOM_WEIGHTS if custom else "model"
+        files = hf.save_hf_weights(weights, tmp, max_shard_size=max_shard_size, stem=stem)
+        if not custom:  # a custom-code config.json comes last: AutoTokenizer would ask to trust its auto_map
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         (tmp / "generation_config.json").write_text(json.dumps(hf.generation_config(eos, bos), indent=2) + "\n")
         if tok is None:
             log(f"warning: {path} holds no tokenizer; {out} has none")
@@ -133,12 +138,17 @@ def export_hf(
                         else ""
                     )
                     log(f"warning: tokenizer: AutoTokenizer encodes differently from {tok.file_name} ({problem}){hint}")
+        if custom:
+            from model.hf.custom_code import write_custom_code
+
+            files += write_custom_code(tmp, config)[:2]  # the two named files; the copied fp_*.py follow them
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     arch = config["architectures"][0]
     log(f"exported {path} -> {out} ({arch}, {config['dtype']}; {', '.join(files)})")
-    if cfg.attention.kind != "full":
+    if custom:
         log(
-            f"note: transformers cannot run the {cfg.attention.kind!r} attention of this model; config.json names it "
-            f"under {hf.VARIANT_KEY!r} and model_type {config['model_type']!r} makes AutoModelForCausalLM refuse it"
+            f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True): its "
+            f"{cfg.attention.kind!r} attention runs from the modeling code in the folder"
         )
     return out
 
@@ -155,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--allow-variant",
         action="store_true",
-        help="hf: export a model whose attention variant transformers cannot run (config.json names it)",
+        help="hf: export a variant transformers lacks, with its modeling code (trust_remote_code)",
     )
     p.add_argument(
         "--only",

@@ -26,7 +26,7 @@ Every unsupported option is one ``ConfigError`` line naming it.
 """
 
 from model.hf.configs import *  # noqa: F401,F403
-from model.hf.configs import ARCHITECTURES, VARIANT_KEY, Imported, load_hf_config, model_config_from_hf  # noqa: F401
+from model.hf.configs import ARCHITECTURES, CUSTOM_WEIGHTS, VARIANT_KEY, Imported, load_hf_config, model_config_from_hf  # noqa: F401
 from model.hf.tensors import *  # noqa: F401,F403
 from model.hf.tensors import (  # noqa: F401
     DTYPE_NAMES,

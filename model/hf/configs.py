@@ -19,10 +19,16 @@ QWEN3 = "Qwen3ForCausalLM"
 ARCHITECTURES = {GPT2: "gpt2", LLAMA: "llama", MISTRAL: "mistral", QWEN2: "qwen2", QWEN3: "qwen3"}  # -> model_type
 VARIANT_KEY = "focused_attention"  # config.json: the attention variant transformers cannot run
 VARIANT_TYPE_PREFIX = "focused_"  # config.json model_type of such an export
+CUSTOM_PREFIX = "Focused"  # its architectures name (FocusedLlamaForCausalLM): its own class, from custom code
+# its weights: not model.safetensors, so that a stock class (LlamaForCausalLM.from_pretrained) finds no weights and
+# fails instead of loading the tensors it knows and running full attention
+CUSTOM_WEIGHTS = "focused_model"
 GPT2_ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh")  # the tanh approximation our GPT-2 MLP uses
 WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
+    f"{CUSTOM_WEIGHTS}.safetensors",
+    f"{CUSTOM_WEIGHTS}.safetensors.index.json",
     "pytorch_model.bin",
     "pytorch_model.bin.index.json",
 )
@@ -57,6 +63,8 @@ def architecture_of(hf: dict[str, Any]) -> str:
     model_type = str(hf.get("model_type", "")).removeprefix(VARIANT_TYPE_PREFIX)
     by_type = {t: a for a, t in ARCHITECTURES.items()}
     name = archs[0] if archs else by_type.get(model_type, model_type or "(no architectures or model_type)")
+    if name.startswith(CUSTOM_PREFIX) and name.removeprefix(CUSTOM_PREFIX) in ARCHITECTURES:
+        name = name.removeprefix(CUSTOM_PREFIX)
     if name not in ARCHITECTURES:
         raise ConfigError(f"hf: architecture {name} is not supported (supported: {', '.join(ARCHITECTURES)})")
     return name
@@ -308,8 +316,9 @@ def variant_settings(cfg: ModelConfig) -> dict[str, Any]:
         "impl": cfg.attention.impl,
         "options": dataclasses.asdict(cfg.attention.variant),
         "note": (
-            f"transformers cannot run the {cfg.attention.kind!r} attention this model was trained with: it "
-            "implements full attention only. Run it with the focused-pretrain code (python -m pretrain.hf_import)."
+            f"the {cfg.attention.kind!r} attention this model was trained with is not in transformers: load it "
+            "with AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True), which runs the modeling "
+            "code in this folder, or with python -m pretrain.hf_import."
         ),
     }
 
@@ -326,9 +335,9 @@ def hf_config_from_model(
     arch = hf_architecture(cfg)
     if cfg.attention.kind != "full" and not allow_variant:
         raise ConfigError(
-            f"--format hf: model.attention.kind={cfg.attention.kind!r} cannot run in transformers (full attention "
-            f"only); pass --allow-variant to export it anyway (config.json then names the variant under "
-            f"{VARIANT_KEY!r} and AutoModelForCausalLM refuses it)"
+            f"--format hf: model.attention.kind={cfg.attention.kind!r} is not in transformers (full attention "
+            f"only); pass --allow-variant to export it with its own modeling code (loaded with "
+            f"trust_remote_code=True; without it AutoModelForCausalLM refuses it)"
         )
     common = {
         "architectures": [arch],
@@ -381,8 +390,10 @@ def hf_config_from_model(
             out |= {"attention_bias": cfg.qkv_bias, "use_sliding_window": False, "sliding_window": None}
         else:
             out |= {"use_sliding_window": False, "sliding_window": None, "max_window_layers": cfg.n_layers}
-    if cfg.attention.kind != "full":
+    if cfg.attention.kind != "full":  # custom code (model/hf/custom_code.py adds auto_map)
+        out["architectures"] = [CUSTOM_PREFIX + arch]
         out["model_type"] = VARIANT_TYPE_PREFIX + str(out["model_type"])
+        out["use_cache"] = False  # its generate recomputes the prefix
         out[VARIANT_KEY] = variant_settings(cfg)
     return out
 

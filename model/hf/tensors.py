@@ -13,6 +13,7 @@ from torch import Tensor
 from core.errors import ConfigError
 from model.config import ModelConfig
 from model.hf.configs import (
+    CUSTOM_WEIGHTS,
     GPT2,
     QWEN3,
     WEIGHT_FILES,
@@ -216,8 +217,9 @@ def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
         ("safetensors", load_file),
         ("bin", lambda f: torch.load(f, map_location="cpu", weights_only=True)),
     ]
-    for ext, load in loaders:
-        single, index = path / f"{'model' if ext == 'safetensors' else 'pytorch_model'}.{ext}", None
+    stems = {"safetensors": ("model", CUSTOM_WEIGHTS), "bin": ("pytorch_model",)}
+    for (ext, load), stem in [(loader, stem) for loader in loaders for stem in stems[loader[0]]]:
+        single = path / f"{stem}.{ext}"
         index = single.with_name(single.name + ".index.json")
         if single.is_file():
             files = [single]
@@ -237,16 +239,21 @@ def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
     raise ConfigError(f"--hf: {path} has none of {', '.join(WEIGHT_FILES)}")
 
 
-def save_hf_weights(state: dict[str, Tensor], out: str | Path, *, max_shard_size: int | str = "5GB") -> list[str]:
-    """Write ``state`` as ``model.safetensors``, or shards plus ``model.safetensors.index.json`` past
+def save_hf_weights(
+    state: dict[str, Tensor], out: str | Path, *, max_shard_size: int | str = "5GB", stem: str = "model"
+) -> list[str]:
+    """Write ``state`` as ``<stem>.safetensors``, or shards plus ``<stem>.safetensors.index.json`` past
     ``max_shard_size`` (huggingface_hub's own splitting); returns the files written."""
     from huggingface_hub import save_torch_state_dict, split_torch_state_dict_into_shards
 
-    save_torch_state_dict(state, str(out), max_shard_size=max_shard_size, metadata={"format": "pt"})
-    split = split_torch_state_dict_into_shards(state, max_shard_size=max_shard_size)
+    pattern = stem + "{suffix}.safetensors"
+    save_torch_state_dict(
+        state, str(out), filename_pattern=pattern, max_shard_size=max_shard_size, metadata={"format": "pt"}
+    )
+    split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=max_shard_size)
     files = sorted(split.filename_to_tensors)
     if split.is_sharded:
-        files.append("model.safetensors.index.json")
+        files.append(f"{stem}.safetensors.index.json")
     return files
 
 
