@@ -136,9 +136,9 @@ class LazyAttention(Attention):
     ) -> AttnOut:
         """Queries are at positions ``Tk - Tq .. Tk - 1`` and keys at ``0 .. Tk - 1``, which is what the base
         class passes (training, prefill, decode): blockwise on CPU, else two FlexAttention passes."""
-        if self.blockwise_supports(q):
-            return self.blockwise(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
-        return self.flex(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+        if flex_supports(q):  # first: gpu_paths_forced() traces the GPU path on CPU tensors
+            return self.flex(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+        return self.blockwise(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
 
     def blockwise(
         self,
