@@ -501,7 +501,9 @@ class Trainer:
     def _stalled(self, exc: RuntimeError) -> bool:
         """Whether a failed collective was another rank that stopped answering (its heartbeat is behind): then
         this rank says which in one line, leaves the requeue marker and ends (torchrun stops the others)."""
-        who = self.engine.stalled() if self.engine.world_size > 1 else None
+        if self.engine.world_size == 1 or not _collective_failure(exc):
+            return False
+        who = self.engine.stalled()
         if who is None:
             return False
         self.stalled_ranks = who
@@ -572,3 +574,12 @@ def _resolved(stored: str) -> str:
         return run_config_from_dict(tomllib.loads(stored)).to_toml()
     except (ConfigError, tomllib.TOMLDecodeError):
         return stored
+
+
+def _collective_failure(exc: BaseException) -> bool:
+    """A collective that timed out or lost its peer (torch's DistError family, or the backend's own words), as
+    opposed to any other error raised during a step."""
+    if isinstance(exc, torch.distributed.DistError):
+        return True
+    text = str(exc)
+    return any(word in text for word in ("Timed out", "timed out", "Connection closed by peer", "Connection reset"))

@@ -262,6 +262,8 @@ class _PartsAttention(torch.autograd.Function):
         return (*_backward(dout, q, k, v, ck, cv, out, lse, ctx.plan, ctx.scale), None, None)
 
 
+@torch.compiler.disable  # eager CPU kernels and a custom autograd.Function: dynamo cannot trace its saved
+# intermediates ("created inside a higher-order op"), and compiling brings nothing here
 def parts_attention(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, plan: Plan, scale: float) -> Tensor:
     """Exact attention of q [B, H, T, D] over the parts of ``plan`` (ranges of k, v [B, H, T, D] and of the
     compressed entries ck, cv [B, H, N, D]), with gradients for all five. float32 / float64 on the CPU."""

@@ -247,6 +247,8 @@ def _backward(
     return dq, dk, dv, dg_q, dg_k, dlam.reshape(lam.shape).to(lam.dtype)
 
 
+@torch.compiler.disable  # eager CPU kernels and a custom autograd.Function: dynamo cannot trace its saved
+# intermediates ("created inside a higher-order op"), and compiling brings nothing here
 def soft_attention(
     q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, lam: Tensor, *, window: int, scale: float, gate: str
 ) -> Tensor:

@@ -290,6 +290,8 @@ class ElasticBlockwise(torch.autograd.Function):
         )
 
 
+@torch.compiler.disable  # eager CPU kernels and a custom autograd.Function: dynamo cannot trace its saved
+# intermediates ("created inside a higher-order op"), and compiling brings nothing here
 def elastic_blockwise(
     q: Tensor,
     k: Tensor,
