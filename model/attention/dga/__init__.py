@@ -292,7 +292,9 @@ class DynamicGroupAttention(GroupedKVCache):
         """The parts form takes a whole sequence from position 0 (training, uncached prefill) in a kernel dtype
         on the CPU; other calls (and ``impl = "gathered"``, kept as a second reference) gather per query block."""
         t = q.shape[2]
-        return q.device.type == "cpu" and q.dtype in KERNEL_DTYPES and int(q_pos[0]) == 0 and int(q_pos[-1]) == t - 1
+        if q.device.type != "cpu" or torch.compiler.is_compiling():  # compile on CPU: the gathered path, as before
+            return False
+        return q.dtype in KERNEL_DTYPES and int(q_pos[0]) == 0 and int(q_pos[-1]) == t - 1
 
     def _parts_inputs(
         self, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, t: int, dtype: torch.dtype

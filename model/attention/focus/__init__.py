@@ -255,7 +255,9 @@ class FocusAttention(Attention):
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         if self.cfg.mode == "hard":
             return True  # the exact decomposition runs on any device
-        return flex_supports(q) or (q.device.type == "cpu" and q.dtype in soft_dtypes())
+        # the CPU blockwise path not while torch.compile traces (compile on CPU: the reference, as before it)
+        cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+        return flex_supports(q) or (cpu and q.dtype in soft_dtypes())
 
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None

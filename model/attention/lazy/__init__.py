@@ -121,7 +121,9 @@ class LazyAttention(Attention):
     @staticmethod
     def blockwise_supports(q: Tensor) -> bool:
         """CPU, from MIN_ROWS queries (decode and short chunks take the reference: O(Tq * Tk) is small there)."""
-        return q.device.type == "cpu" and q.dtype in kernel_dtypes() and q.shape[2] >= MIN_ROWS
+        # not while torch.compile traces (compile on CPU: the dense reference, as before the blockwise path)
+        cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+        return cpu and q.dtype in kernel_dtypes() and q.shape[2] >= MIN_ROWS
 
     def fast(
         self,
