@@ -181,6 +181,11 @@ class SequencePlan(Plan):
 
 
 # ---- forward, backward, merge ------------------------------------------------------------------------------------
+def _under_sac() -> bool:
+    """Whether a torch dispatch mode (selective activation checkpointing's caching mode) is active."""
+    return bool(torch.utils._python_dispatch._get_current_dispatch_mode_stack())
+
+
 def _merge(out: Tensor, lse: Tensor, o: Tensor, lse_part: Tensor) -> None:
     """Fold one part's (output, logsumexp) into the running ones (views: in place)."""
     new = torch.logaddexp(lse, lse_part)
@@ -201,7 +206,9 @@ def _forward(
         if p.nonempty is not None:
             lse_p = lse_p.masked_fill(~p.nonempty, NEG_INF)
         if out is None:
-            if p.first and p.q.lo == 0 and p.q.hi == t and o.is_contiguous():  # every row: no second T x D buffer
+            # every row: no second T x D buffer. Not under selective activation checkpointing, which may keep the
+            # kernel's output for the recompute: the merges below would mutate what it kept
+            if p.first and p.q.lo == 0 and p.q.hi == t and o.is_contiguous() and not _under_sac():
                 out = o.view(b, h, t, d)
                 p.q.take(lse).copy_(lse_p)
                 continue
