@@ -24,7 +24,7 @@ NEW = 32
 LOADER = """
 import json, sys, torch, transformers
 out = sys.argv[1]
-ids = torch.load(sys.argv[2])
+ids = torch.load(sys.argv[2], weights_only=True)
 try:
     transformers.AutoModelForCausalLM.from_pretrained(out)
 except ValueError as exc:
@@ -111,7 +111,7 @@ def test_custom_code_matches_the_project_in_a_fresh_process(tmp_path, sp_model, 
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.split("REPORT ", 1)[1])
     assert report == {"refused": True, "stock_fails": True, "class": "FocusedLlamaForCausalLM", "import_ok": True}
-    theirs = torch.load(tmp_path / "res.pt")
+    theirs = torch.load(tmp_path / "res.pt", weights_only=True)
     ours, _ = load_model(path)
     with torch.no_grad():
         logits = ours(ids).logits

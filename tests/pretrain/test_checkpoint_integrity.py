@@ -188,4 +188,4 @@ def test_a_newer_trainer_state_format_is_refused_not_taken_for_damage(tmp_path):
     (path / "dcp").mkdir()
     with pytest.raises(NewerFormat, match=r"^--checkpoint: .*trainer.pt has format 99, newer than this code reads"):
         verify_checkpoint(path)
-    assert torch.load(path / "trainer.pt")["format"] == 99
+    assert torch.load(path / "trainer.pt", weights_only=True)["format"] == 99
