@@ -102,15 +102,19 @@ def test_a_document_weighted_state_from_before_weightings_resumes_as_it_was(tmp_
 
 def test_token_weighted_positions_rederive_on_another_world_size(tmp_path):
     """2 loader workers -> 3: per source and epoch, the documents the old workers opened (half-packed ones
-    included) and the rest on the new workers are each document once (worker 1 is into b's second epoch)."""
+    included) and the rest on the new workers are each document once (worker 1 is into b's second epoch).
+    The sources' shuffles are keyed by their names, here paths under tmp_path, so worker 1 runs until it
+    reaches b's second epoch rather than a fixed count."""
     cfg, a, b = mixture_fixture(tmp_path, "tokens")
     tok, states, before = ByteTokenizer(), [], collections.defaultdict(list)
-    for w, n in ((0, 9), (1, 40)):
+    for w, n in ((0, 9), (1, 400)):
         ds = StreamDataset(cfg, tok, seq_len=T)
         mixer = ds._begin(w, 2, tokenize=True)
         mixer.opened = []  # what packing opens, in order (documents() reads the same list)
-        for _ in range(n):
+        for _ in range(n):  # worker 1 runs until it opens a document of b's second epoch
             mixer.sequence(T)
+            if w == 1 and any(d.source == b and d.epoch == 1 for d in mixer.opened):
+                break
         states.append(mixer.state())
         for doc in mixer.opened:
             before[doc.source, doc.epoch].append(doc.id)
