@@ -1,18 +1,18 @@
 """The mutation check (issue 31, item 2): each one-line mutation of a defining formula (``table.py``), applied to a
 temporary copy of the packages, must make the variant's fast tests fail.
 
-Per mutation: copy ``core/``, ``model/`` and ``tests/`` (and the pytest configuration) into a temporary directory,
-apply the edit (its fragment must occur exactly once), and run the mutation's test files there in a subprocess,
-``-x -q -m "not slow"``, with that directory first on ``PYTHONPATH`` (the worktree after it, for the packages not
-copied). Exit code 1 (a test failed) is required: 0 means the mutation survived, 2 or more a collection or usage
-error, which proves nothing. One torch thread per subprocess: these tests run tiny operations, where intra-op
-threads only contend with each other.
+Copy ``core/``, ``model/`` and ``tests/`` (and the pytest configuration) into a temporary directory once; one
+subprocess (``tests/mutations/runner.py``, that directory first on ``PYTHONPATH``, the worktree after it for the
+packages not copied) applies each selected mutation in turn (its fragment must occur exactly once), runs the
+mutation's test files with ``-x -q -m "not slow"`` and puts the file back. Exit code 1 (a test failed) is required:
+0 means the mutation survived, 2 or more a collection or usage error, which proves nothing. One torch thread: these
+tests run tiny operations, where intra-op threads only contend with each other.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -20,11 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.mutations.runner import UNMUTATED
 from tests.mutations.table import MUTATIONS, Mutation
 
 REPO = Path(__file__).resolve().parents[2]
 COPIED = ("core", "model", "tests")
-TIMEOUT = 240  # seconds per mutation; the whole check takes a few minutes
+TIMEOUT = 240  # seconds per mutation (the subprocess gets this times the number run)
 
 
 def copy_packages(dest: Path) -> None:
@@ -34,53 +35,48 @@ def copy_packages(dest: Path) -> None:
     shutil.copy2(REPO / "pyproject.toml", dest / "pyproject.toml")
 
 
-def apply(mutation: Mutation, root: Path) -> None:
-    path = root / mutation.path
-    src = path.read_text()
-    for original, replacement in mutation.edits:
-        count = src.count(original)
-        assert count == 1, (
-            f"{mutation.name}: {original!r} occurs {count} times in {mutation.path} (re-point the table's fragment)"
-        )
-        src = src.replace(original, replacement)
-    path.write_text(src)
-
-
-def run_tests(root: Path, files: tuple[str, ...]) -> subprocess.CompletedProcess:
+def run_mutations(root: Path, names: list[str]) -> dict[str, dict]:
+    """``tests.mutations.runner`` over ``names`` in one subprocess, the copy first on ``PYTHONPATH``."""
+    out = root / "mutations.json"
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(root), str(REPO)]),
         "OMP_NUM_THREADS": "1",
         "PYTHONDONTWRITEBYTECODE": "1",
     }
-    cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-m", "not slow", "-p", "no:cacheprovider", *files]
-    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    cmd = [sys.executable, "-m", "tests.mutations.runner", str(root), str(out), *names]
+    result = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=TIMEOUT * len(names))
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return json.loads(out.read_text())
 
 
-def first_failure(output: str) -> str:
-    found = re.search(r"^(?:FAILED|ERROR) (\S+)", output, re.MULTILINE)
-    return found.group(1) if found else "?"
+@pytest.fixture(scope="module")
+def outcomes(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    """Every selected mutation (and the unmutated copy) in one runner process: one torch import, not forty."""
+    selected = {
+        item.callspec.params["mutation"].name
+        for item in request.session.items
+        if hasattr(item, "callspec") and isinstance(item.callspec.params.get("mutation"), Mutation)
+    }
+    root = tmp_path_factory.mktemp("mutations")
+    copy_packages(root)
+    return run_mutations(root, [UNMUTATED, *[m.name for m in MUTATIONS if m.name in selected]])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.name for m in MUTATIONS])
-def test_mutation_is_caught(mutation: Mutation, tmp_path: Path) -> None:
-    copy_packages(tmp_path)
-    apply(mutation, tmp_path)
-    result = run_tests(tmp_path, mutation.tests)
-    tail = (result.stdout + result.stderr)[-3000:]
-    assert result.returncode != 0, f"{mutation.name} survived ({mutation.breaks}):\n{tail}"
-    assert result.returncode == 1, f"{mutation.name}: pytest exit {result.returncode}, not a test failure:\n{tail}"
-    print(f"{mutation.name}: caught by {first_failure(result.stdout)}")
+def test_mutation_is_caught(mutation: Mutation, outcomes: dict[str, dict]) -> None:
+    got = outcomes[mutation.name]
+    assert got["code"] != 0, f"{mutation.name} survived ({mutation.breaks}):\n{got['tail']}"
+    assert got["code"] == 1, f"{mutation.name}: pytest exit {got['code']}, not a test failure:\n{got['tail']}"
+    print(f"{mutation.name}: caught by {got['first']}")
 
 
 @pytest.mark.slow
-def test_unmutated_copy_passes(tmp_path: Path) -> None:
+def test_unmutated_copy_passes(outcomes: dict[str, dict]) -> None:
     """The harness itself: the same copy, unmutated, passes every pin (else every mutation would look caught)."""
-    copy_packages(tmp_path)
-    pins = sorted({m.tests[0] for m in MUTATIONS})
-    result = run_tests(tmp_path, tuple(pins))
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    got = outcomes[UNMUTATED]
+    assert got["code"] == 0, got["tail"]
 
 
 def test_table_fragments_occur_once() -> None:
