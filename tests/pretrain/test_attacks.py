@@ -6,10 +6,10 @@ node id; those run once, where they are). Each ends in an exact resume (the loss
 one-line refusal, on ``single``, ``fsdp2`` and ``deepspeed`` where the case applies. The fast tests check that
 the list covers the issue's rows and that every node id names a test that exists.
 
-Cost: one base run per engine (4 steps of a 1-layer model, checkpoints at steps 2 and 4, 2 gloo processes for
-``fsdp2`` and ``deepspeed``; 6 steps in process for ``single``) is the uninterrupted reference; each case attacks a
-copy of it. Bytes flipped in each file are checked with the checksum verifier directly (what a resume runs first);
-only a few relaunches run the whole trainer.
+Cost: one base run per engine is the uninterrupted reference, and each case attacks a copy of it: for ``fsdp2``
+and ``deepspeed`` 4 steps under torchrun (2 gloo processes) with checkpoints at steps 2 and 4, shared with
+test_safe_loading.py (``conftest.py``); for ``single`` 6 steps in process. Bytes flipped in each file are
+checked with the checksum verifier directly (what a resume runs first); only a few relaunches run the trainer.
 """
 
 from __future__ import annotations
@@ -308,57 +308,22 @@ def test_every_case_names_a_test_that_exists():
 # ---- base runs: one per engine, the uninterrupted reference ---------------------------------------------------
 
 STEPS = 4  # checkpoints at 2 and 4: the newest damaged, a resume from 2 trains 3 and 4 again
-DEEPSPEED = {
-    "train.engine": "deepspeed",
-    "train.deepspeed.zero_stage": 1,
-    "train.deepspeed.config": str(REPO / "launch" / "deepspeed" / "zero.json"),
-}
-ENGINE_SETS = {"fsdp2": {"train.engine": "fsdp2"}, "deepspeed": DEEPSPEED}
+ENGINE_SETS = {"fsdp2": {"train.engine": "fsdp2"}}
+BASES = {"single": "single_base", "fsdp2": "fsdp2_run", "deepspeed": "deepspeed_run"}  # conftest.py: the others
 
 
-def _args(run_dir: Path, cache_dir: Path, engine: str, **extra: object) -> list[str]:
-    from tests.e2e.test_train_cli import overrides
+def engine_args(run_dir: Path, cache_dir: Path, engine: str, **extra: object) -> list[str]:
+    """``--set`` arguments of test_safe_loading.py's run under ``engine`` (fsdp2, deepspeed), to step 4."""
+    from tests.pretrain import test_safe_loading as safe
 
-    shape = {"model.n_layers": 1, "model.d_model": 32, "model.n_heads": 2, "model.d_ff": 64}
-    run = {
-        "data.seq_len": 32,
-        "model.max_seq_len": 32,
-        "train.max_steps": STEPS,
-        "train.micro_batch_size": 0,
-        "train.warmup_steps": 1,
-        "checkpoint.every": 2,
-        "checkpoint.keep": 10,
-        "eval.every": 0,
-        "eval.sample_tokens": 0,
-    }
-    return overrides(run_dir, cache_dir, **{**shape, **run, **ENGINE_SETS[engine], **extra})
+    sets = {**ENGINE_SETS, "deepspeed": safe.DEEPSPEED}[engine]
+    return safe._args(run_dir, cache_dir, sets, **{"train.stop_at": 0, **extra})
 
 
 def _torchrun(args: list[str]) -> subprocess.CompletedProcess:
     from tests.e2e.helpers import torchrun
 
     return torchrun(2, args)
-
-
-def _base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path, engine: str) -> Path:
-    from tests.e2e.helpers import why
-
-    run_dir = tmp_path_factory.mktemp(f"attacks-{engine}") / "run"
-    proc = _torchrun(_args(run_dir, cache_dir, engine))
-    assert proc.returncode == 0, why(proc)
-    assert [p.name for _, p in ckpt.complete_checkpoints(run_dir)] == ["step_00000002", "step_00000004"]
-    return run_dir
-
-
-@pytest.fixture(scope="module")
-def fsdp2_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    return _base(tmp_path_factory, cache_dir, "fsdp2")
-
-
-@pytest.fixture(scope="module")
-def deepspeed_base(tmp_path_factory: pytest.TempPathFactory, cache_dir: Path) -> Path:
-    pytest.importorskip("deepspeed")
-    return _base(tmp_path_factory, cache_dir, "deepspeed")
 
 
 @pytest.fixture(scope="module")
@@ -408,7 +373,7 @@ def test_flipped_bytes_in_any_file_are_one_line(engine: str, request: pytest.Fix
     """20 bytes flipped at random positions (size unchanged) in any one file of the newest checkpoint, for every
     file the engine writes (``meta.json`` too), never pass the verification a resume runs first: one line naming
     that file (the resume then falls back: the relaunch tests below)."""
-    newest = ckpt.latest_checkpoint(request.getfixturevalue(f"{engine}_base"))
+    newest = ckpt.latest_checkpoint(request.getfixturevalue(BASES[engine]))
     assert newest is not None
     names = _files(newest)
     assert len(names) >= 5 and "meta.json" in names, names
@@ -482,7 +447,7 @@ STAGED = {
 def test_staged_damage_is_one_line(case: str, request: pytest.FixtureRequest, tmp_path: Path):
     """The table's damage at the place it names: once a silent resume from corrupted weights, or a traceback."""
     engine, damage = STAGED[case]
-    newest = ckpt.latest_checkpoint(request.getfixturevalue(f"{engine}_base"))
+    newest = ckpt.latest_checkpoint(request.getfixturevalue(BASES[engine]))
     assert newest is not None
     copy = tmp_path / newest.name
     shutil.copytree(newest, copy)
@@ -571,19 +536,19 @@ def test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_loss
     relaunch removes it at start-up and resumes from step 3 again."""
     from tests.e2e.helpers import why
 
-    base = request.getfixturevalue(f"{engine}_base")
+    base = request.getfixturevalue(BASES[engine])
     run_dir = _copy(base, tmp_path)
     newest = run_dir / "checkpoints" / f"step_{STEPS:08d}"
     rng = random.Random(f"relaunch-{engine}")
     for name in _files(newest):
         flip_bytes(newest / name, 20, rng)
-    first = _torchrun(_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1, "train.stop_at": 3}))
+    first = _torchrun(engine_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1, "train.stop_at": 3}))
     assert first.returncode == 0, why(first)
     _one_warning(first.stdout, newest)
     assert "step_00000002 at step 2" in first.stdout, first.stdout[-3000:]
     assert [p.name for _, p in ckpt.complete_checkpoints(run_dir)] == ["step_00000003"]
     assert (run_dir / "checkpoints" / "damaged" / newest.name).is_dir()  # kept, out of the way
-    keep_1 = _args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1})
+    keep_1 = engine_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1})
     if engine == "fsdp2":
         killed = _rank_1_killed_during_the_save_of_step_4(keep_1, tmp_path)
         assert "step_00000003 at step 3" in killed, killed[-3000:]
@@ -597,15 +562,15 @@ def test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_loss
 
 
 @pytest.mark.slow
-def test_the_only_checkpoint_damaged_is_refused(fsdp2_base: Path, tmp_path: Path, cache_dir: Path):
+def test_the_only_checkpoint_damaged_is_refused(fsdp2_run: Path, tmp_path: Path, cache_dir: Path):
     """A shard's zip framing broken in the only checkpoint, under two fsdp2 ranks (they split the hashing and
     agree on the verdict): the relaunch stops with one line naming the shard, never a resume from it, never a
     silent fresh start."""
-    run_dir = _copy(fsdp2_base, tmp_path)
+    run_dir = _copy(fsdp2_run, tmp_path)
     shutil.rmtree(run_dir / "checkpoints" / f"step_{STEPS:08d}")
     only = run_dir / "checkpoints" / "step_00000002"
     name = _dcp_zip_framing(only)
-    proc = _torchrun(_args(run_dir, cache_dir, "fsdp2"))
+    proc = _torchrun(engine_args(run_dir, cache_dir, "fsdp2"))
     assert proc.returncode != 0
     errors = {line for line in proc.stderr.splitlines() if line.startswith("error: ")}
     assert len(errors) == 1, proc.stderr[-3000:]

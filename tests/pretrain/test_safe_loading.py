@@ -8,7 +8,8 @@ leave no marker and stop with one ``error:`` line naming the file (exit code 2; 
 failed worker as 1).
 
 The fast tests build DCP checkpoints in process; the slow ones train one tiny checkpoint per engine
-(single, ddp, DeepSpeed ZeRO-1 on 2 gloo processes) and run the CLIs on planted copies.
+(single, ddp, DeepSpeed ZeRO-1 on 2 gloo processes; the DeepSpeed run is the one ``conftest.py`` shares with
+the attack suite, test_attacks.py) and run the CLIs on planted copies.
 """
 
 from __future__ import annotations
@@ -284,16 +285,15 @@ def ddp_run(tmp_path_factory, cache_dir) -> Path:
     return _trained(tmp_path_factory, cache_dir, "ddp", 2, {"train.engine": "ddp"})
 
 
-@pytest.fixture(scope="module")
-def deepspeed_run(tmp_path_factory, cache_dir) -> Path:
-    pytest.importorskip("deepspeed")
-    return _trained(tmp_path_factory, cache_dir, "deepspeed", 2, DEEPSPEED)
-
-
 def _copy(run_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
     """A copy of the run and its checkpoint directory."""
+    from run.checkpoint import complete_checkpoints
+
     copy = tmp_path / "run"
     shutil.copytree(run_dir, copy)
+    for step, path in complete_checkpoints(copy):
+        if step > STOP:  # the shared deepspeed run (conftest.py) goes on to step 4: step STOP is the newest here
+            shutil.rmtree(path)
     return copy, copy / "checkpoints" / f"step_{STOP:08d}"
 
 
