@@ -308,7 +308,6 @@ def test_every_case_names_a_test_that_exists():
 # ---- base runs: one per engine, the uninterrupted reference ---------------------------------------------------
 
 STEPS = 4  # checkpoints at 2 and 4: the newest damaged, a resume from 2 trains 3 and 4 again
-ENGINE_SETS = {"fsdp2": {"train.engine": "fsdp2"}}
 BASES = {"single": "single_base", "fsdp2": "fsdp2_run", "deepspeed": "deepspeed_run"}  # conftest.py: the others
 
 
@@ -316,7 +315,7 @@ def engine_args(run_dir: Path, cache_dir: Path, engine: str, **extra: object) ->
     """``--set`` arguments of test_safe_loading.py's run under ``engine`` (fsdp2, deepspeed), to step 4."""
     from tests.pretrain import test_safe_loading as safe
 
-    sets = {**ENGINE_SETS, "deepspeed": safe.DEEPSPEED}[engine]
+    sets = {"fsdp2": {"train.engine": "fsdp2"}, "deepspeed": safe.DEEPSPEED}[engine]
     return safe._args(run_dir, cache_dir, sets, **{"train.stop_at": 0, **extra})
 
 
