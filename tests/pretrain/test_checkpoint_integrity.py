@@ -90,7 +90,9 @@ def test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row(tmp_path
     run_dir = tmp_path / "run"
     shutil.copytree(stopped_at_4, run_dir)
     (run_dir / ".lock").unlink(missing_ok=True)
-    flip_bytes(run_dir / "checkpoints" / "step_00000004" / "model.safetensors", 20, random.Random(SEED))
+    newest, rng = run_dir / "checkpoints" / "step_00000004", random.Random(SEED)
+    for name in [*_files(run_dir), "meta.json"]:  # 20 bytes in every file (tests/pretrain/test_attacks.py)
+        flip_bytes(newest / name, 20, rng)
     _, first = train(config(run_dir, cache, **{"checkpoint.keep": 1, "train.stop_at": 5}))
     assert first.exit_code == 0
     assert [p.name for _, p in ckpt.complete_checkpoints(run_dir)] == ["step_00000005"]  # the good one it wrote
@@ -106,11 +108,15 @@ def test_leftover_temporaries_of_dead_saves_are_removed_at_start_up(tmp_path, ca
     run_dir = tmp_path / "run"
     shutil.copytree(stopped_at_4, run_dir)
     (run_dir / ".lock").unlink(missing_ok=True)
-    dead = run_dir / "checkpoints" / f"{ckpt.TMP_PREFIX}step_00000006-{os.getpid()}"  # even a live-looking pid
-    dead.mkdir()
-    (dead / "model.safetensors").write_bytes(b"x" * 1000)
+    dead = [  # three launches killed in their first save (the pid of this process looks alive: removed anyway)
+        run_dir / "checkpoints" / f"{ckpt.TMP_PREFIX}step_0000000{step}-{pid}"
+        for step, pid in ((6, os.getpid()), (6, 999_999_999), (5, 999_999_998))
+    ]
+    for path in dead:
+        path.mkdir()
+        (path / "model.safetensors").write_bytes(b"x" * 1000)
     _, result = train(config(run_dir, cache, **{"train.stop_at": 5}))
-    assert result.exit_code == 0 and not dead.exists()
+    assert result.exit_code == 0 and not any(path.exists() for path in dead)
 
 
 @pytest.mark.slow  # a few seconds of training each
