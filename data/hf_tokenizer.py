@@ -58,7 +58,7 @@ def write_hf_tokenizer(tok: Tokenizer, out: Path, *, model_max_length: int) -> l
             config = {
                 "tokenizer_class": "PreTrainedTokenizerFast",
                 "eos_token": _piece(tok, tok.eos_id),
-                "bos_token": _piece(tok, tok.bos_id),
+                "bos_token": _piece(tok, tok.eos_id),  # the token a text starts from here: EOS
                 "add_bos_token": False,
                 "add_eos_token": False,
                 "clean_up_tokenization_spaces": False,
@@ -89,7 +89,7 @@ def _from_sentencepiece(tok: SentencePieceTokenizer, out: Path, model_max_length
         "legacy": False,
         "clean_up_tokenization_spaces": False,
         "eos_token": _piece(tok, tok.eos_id),
-        "bos_token": _piece(tok, tok.bos_id),
+        "bos_token": _piece(tok, tok.eos_id),  # the token a text starts from here: EOS
         "unk_token": _piece(tok, unk) if unk >= 0 else None,
         "model_max_length": model_max_length,
     }

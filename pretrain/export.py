@@ -109,7 +109,9 @@ def export_hf(
     state = ckpt.load_trainer_state(path)
     cfg = run_config_from_dict(tomllib.loads(state["config"])).model
     tok = _checkpoint_tokenizer(path)
-    eos, bos = (tok.eos_id, tok.bos_id) if tok is not None else (None, None)
+    # the project separates documents with EOS and scores a text from EOS (eval/harness.py's prefix token): the
+    # export names EOS as its BOS too, so lm_eval --model hf and generate start a text where training did
+    eos, bos = (tok.eos_id, tok.eos_id) if tok is not None else (None, None)
     config = hf.hf_config_from_model(
         cfg, eos_id=eos, bos_id=bos, dtype=hf.DTYPE_NAMES[hf.DTYPES[dtype]], allow_variant=allow_variant
     )

@@ -8,21 +8,27 @@ or ``--tokenizer``). Nothing is downloaded. What it writes:
 - ``RUN_DIR/hf_import/``: the weights mapped onto a matching model config (model/hf.py) as a checkpoint
   directory (``model.safetensors``, ``trainer.pt`` at step 0, the tokenizer files, ``hf_config.json``: the
   source's config.json);
-- ``RUN_DIR/config.toml``: ``--config`` (default: the built-in defaults) with the imported ``model``
-  table, ``data.tokenizer`` and ``train.init_from`` set to ``RUN_DIR/hf_import``, ``run.dir = RUN_DIR``,
-  ``data.seq_len`` capped at the model's length, then ``--set`` overrides;
+- ``RUN_DIR/config.toml``: ``--config`` (default: the built-in defaults) with the model's shape from the
+  source's config.json (whatever preset ``--config`` names) and ``--config``'s own attention table and
+  dropout (run/hf_init.py: a Focus retrofit stays Focus), ``data.tokenizer`` and ``train.init_from`` set to
+  ``RUN_DIR/hf_import``, ``run.dir = RUN_DIR``, ``data.seq_len`` capped at the model's length, then
+  ``--set`` overrides;
 - ``RUN_DIR/checkpoints/step_00000000/``: the run started at step 0 by the trainer itself (it builds the
   data, loads ``train.init_from``, saves), so ``python -m pretrain.train --config RUN_DIR/config.toml``
   continues it and ``python -m eval.run --run RUN_DIR`` evaluates it. ``--no-start`` skips this (large
   models, or when the data is not at hand yet); ``pretrain.train`` then starts from ``train.init_from`` and
   ``eval.run --checkpoint RUN_DIR/hf_import`` evaluates the import.
 
-An unsupported architecture or option stops with one line naming it.
+An unsupported architecture or option, weights that do not fit (the first tensors and their two shapes) or
+a ``train.trainable`` pattern the model does not have stop with one line, before anything is written; a
+start that fails later takes back what the import wrote. ``train.init_from = "hf:PATH"`` in a run config
+does the same mapping at the start of training, without the intermediate ``hf_import/`` copy.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -48,14 +54,6 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _model_dict(model_cfg: ModelConfig) -> dict:
-    from run.config import RunConfig
-
-    cfg = RunConfig()
-    cfg.model = model_cfg
-    return cfg.to_dict()["model"]
-
-
 def run_config(
     model_cfg: ModelConfig,
     run_dir: Path,
@@ -63,22 +61,59 @@ def run_config(
     *,
     base_config: str | None = None,
     overrides: Sequence[str] = (),
+    tokenizer_now: str | Path | None = None,
 ) -> RunConfig:
-    """The run's config: ``base_config`` (or the defaults), the imported model, the import as tokenizer and
-    initial weights, then ``overrides``."""
-    from run.config import load_run_config, run_config_from_dict
+    """The run's config: ``base_config`` (or the defaults) with the imported model's shape and the base's own
+    choices (its attention table, dropout: run/hf_init.py), the import as tokenizer and initial weights,
+    ``data.seq_len`` capped at the model's length, then ``overrides``. ``tokenizer_now``: validate with this
+    tokenizer in place of the import's, which is not written yet."""
+    from run.config import raw_run_config, run_config_from_dict
+    from run.hf_init import merged_model_table
 
-    data = load_run_config(base_config, validate=False).to_dict()
-    data["model"] = _model_dict(model_cfg)
+    data = raw_run_config(base_config)
+    table = data.get("model", {})
+    data["model"] = merged_model_table(table if isinstance(table, dict) else {}, model_cfg)
+    for section in ("run", "data", "train"):
+        if not isinstance(data.setdefault(section, {}), dict):
+            raise ConfigError(f"{section}: must be a table, got {data[section]!r}")
     data["run"]["dir"] = str(run_dir)
     data["data"]["tokenizer"] = str(import_dir)
-    data["data"]["seq_len"] = min(int(data["data"]["seq_len"]), model_cfg.max_seq_len)
     data["train"]["init_from"] = str(import_dir)
+    data["data"]["seq_len"] = min(run_config_from_dict(data).data.seq_len, model_cfg.max_seq_len)
     for assignment in overrides:
         configlib.apply_override(data, assignment)
     cfg = run_config_from_dict(data)
-    cfg.validate()
+    if tokenizer_now is None:
+        cfg.validate()
+    else:
+        dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, tokenizer=str(tokenizer_now))).validate()
     return cfg
+
+
+def _check_fits(cfg: RunConfig, state: dict[str, torch.Tensor], where: str) -> None:
+    """What the start would find, found before anything is written: the run's model (with its attention
+    variant) takes the imported weights, and every ``train.freeze`` / ``train.trainable`` pattern names
+    one of its parameters."""
+    from model.transformer import build_model
+    from pretrain.freezing import check_patterns
+    from run.hf_init import load_state
+
+    model = build_model(cfg.model)
+    load_state(model, state, where=where, key="--hf")
+    check_patterns(model, cfg.train)
+
+
+def _remove_new(run_dir: Path, before: set[str] | None) -> None:
+    """Undo a failed import: what it added to ``run_dir`` (all of it when the import made the directory)."""
+    if before is None:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        return
+    for entry in run_dir.iterdir() if run_dir.is_dir() else ():
+        if entry.name not in before:
+            if entry.is_dir() and not entry.is_symlink():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.unlink(missing_ok=True)
 
 
 def import_hf(
@@ -92,18 +127,39 @@ def import_hf(
     log: Callable[[str], None] = _say,
 ) -> Path:
     """Import ``hf_path`` into ``run_dir`` (see the module docstring); returns the checkpoint directory a
-    user evaluates: ``checkpoints/step_00000000`` when started, else ``hf_import``."""
-    from safetensors.torch import save_model
-
-    from data.tokenizer import load_tokenizer
-    from model import hf
-    from model.transformer import build_model
-
+    user evaluates: ``checkpoints/step_00000000`` when started, else ``hf_import``. Everything that can fail
+    on bad input is checked before ``run_dir`` is written; a start that fails anyway takes back what the
+    import wrote, so the same command can run again."""
     hf_path, run_dir = Path(hf_path), Path(run_dir)
     import_dir = run_dir / IMPORT_DIR
     for taken in (import_dir, run_dir / "checkpoints"):
         if taken.exists():
             raise ConfigError(f"--out: {run_dir} already holds {taken.name}/; import into a new directory")
+    before = {entry.name for entry in run_dir.iterdir()} if run_dir.is_dir() else None
+    try:
+        return _import(hf_path, run_dir, import_dir, base_config, overrides, tokenizer, start, log)
+    except BaseException:
+        _remove_new(run_dir, before)
+        raise
+
+
+def _import(
+    hf_path: Path,
+    run_dir: Path,
+    import_dir: Path,
+    base_config: str | None,
+    overrides: Sequence[str],
+    tokenizer: str | Path | None,
+    start: bool,
+    log: Callable[[str], None],
+) -> Path:
+    from safetensors.torch import save_model
+
+    from data.tokenizer import load_tokenizer
+    from model import hf
+    from model.transformer import build_model
+    from run.hf_init import load_state
+
     source = hf.load_hf_config(hf_path)
     imported = hf.model_config_from_hf(source)
     cfg_model = imported.model
@@ -119,36 +175,34 @@ def import_hf(
         )
     state = hf.from_hf_state_dict(hf.cast(hf.load_hf_weights(hf_path), torch.float32), cfg_model, imported.architecture)
     model = build_model(cfg_model)
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise ConfigError(
-            f"hf: the weights do not fit the config ({str(exc).splitlines()[-1].strip()[:200]})"
-        ) from None
+    load_state(model, state, where=str(hf_path), key="--hf", new_attention_ok=False)
+    cfg = run_config(
+        cfg_model, run_dir, import_dir, base_config=base_config, overrides=overrides, tokenizer_now=tok.path
+    )
+    _check_fits(cfg, state, str(hf_path))
+    if cfg.model.attention.kind != cfg_model.attention.kind:
+        log(f"note: attention {cfg.model.attention.kind!r} from the config; its own parameters start at their init")
+    # the import itself is the source model as it is (its own attention), so that it evaluates and compares as such
+    import_cfg = dataclasses.replace(cfg, model=cfg_model)
 
     with atomic_directory(import_dir) as tmp:  # run_dir made too
         save_model(model, str(tmp / "model.safetensors"))
         tok.save(tmp)
         shutil.copyfile(hf_path / "config.json", tmp / "hf_config.json")
-    try:
-        cfg = run_config(cfg_model, run_dir, import_dir, base_config=base_config, overrides=overrides)
-        fingerprint = load_tokenizer(import_dir).fingerprint  # what the run will load as data.tokenizer
+        fingerprint = load_tokenizer(tmp).fingerprint  # what the run will load as data.tokenizer
         trainer_state = {
             "step": 0,
             "tokens": 0,
-            "config": cfg.to_toml(),
+            "config": import_cfg.to_toml(),
             "tokenizer_fingerprint": fingerprint,
             "data_fingerprint": "",
             "code_version": "hf_import",
             "source": str(hf_path.resolve()),
         }
-        torch.save(trainer_state, import_dir / "trainer.pt")
+        torch.save(trainer_state, tmp / "trainer.pt")
         meta = {"step": 0, "time": time.time(), "source": str(hf_path.resolve()), "architecture": imported.architecture}
-        (import_dir / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        (run_dir / "config.toml").write_text(cfg.to_toml())
-    except BaseException:
-        shutil.rmtree(import_dir, ignore_errors=True)
-        raise
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (run_dir / "config.toml").write_text(cfg.to_toml())
     n_params = sum(p.numel() for p in model.parameters())
     log(f"imported {hf_path} ({imported.architecture}, {n_params:,} parameters) -> {import_dir}")
     del model, state

@@ -46,6 +46,7 @@ from pretrain.signals import PREEMPTED_MARKER, SignalHandler
 from pretrain.state import TrainState
 from run.checkpoint import NewerFormat
 from run.config import RunConfig, run_config_from_dict
+from run.hf_init import hf_source, load_state, mapped_state
 
 
 @dataclass
@@ -254,6 +255,10 @@ class Trainer:
 
     def _init_from(self, source: str) -> None:
         """Continue training another run's weights (context extension, retrofits): model only."""
+        hf_dir = hf_source(source)
+        if hf_dir is not None:
+            self._init_from_hf(hf_dir)
+            return
         path = ckpt.resolve_checkpoint(source, key="train.init_from")
         state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
         if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
@@ -263,6 +268,21 @@ class Trainer:
             )
         ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
         self._say(f"initialised weights from {path} (step {state.step})")
+
+    def _init_from_hf(self, path: Path) -> None:
+        """``train.init_from = "hf:PATH"``: the folder's weights, mapped (the config already has its shape,
+        run/hf_init.py); its tokenizer, when it has one, must be the run's."""
+        from data.tokenizer import load_tokenizer
+
+        try:
+            theirs = load_tokenizer(path).fingerprint
+        except ConfigError:
+            theirs = None  # a model folder without a tokenizer: data.tokenizer is the user's word
+        if theirs is not None and theirs != self.corpus.tokenizer.fingerprint:
+            raise ConfigError(f"data.tokenizer: is not the tokenizer of hf:{path}; set data.tokenizer to {path}")
+        state, _, arch = mapped_state(path)
+        load_state(self.model, state, where=f"hf:{path}", key="train.init_from")
+        self._say(f"initialised weights from hf:{path} ({arch})")
 
     def _newest_good_checkpoint(self) -> Path | None:
         """The newest complete checkpoint whose files are whole (sizes and content checksums recorded at

@@ -83,6 +83,9 @@ def resolve_checkpoint(path: str | Path, *, key: str = "--run") -> Path:
         raise ConfigError(f"{key}: no complete checkpoint under {path}/checkpoints")
     if not path.is_dir():
         raise ConfigError(f"{key}: no such directory {str(path)!r}")
+    if (path / "config.json").is_file():  # a Hugging Face model folder: read through the HF mapping
+        how = f"set it to 'hf:{path}'" if key == "train.init_from" else f"python -m pretrain.hf_import --hf {path}"
+        raise ConfigError(f"{key}: {path} is a Hugging Face model directory, not a checkpoint; {how}")
     raise ConfigError(f"{key}: {path} is neither a complete checkpoint nor a run directory with one")
 
 
@@ -177,10 +180,19 @@ def load_weights(
     attention variant's own parameters (``*.core.*``); they keep their initialisation. Anything
     else missing or unexpected is still an error.
     """
+    from safetensors import safe_open
     from safetensors.torch import load_model as load_safetensors
 
+    from run.hf_init import fit_line, shape_mismatches
+
+    file = str(Path(path) / MODEL_FILE)
+    with safe_open(file, framework="pt") as f:
+        shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
+    problems = shape_mismatches(shapes, model)
+    if problems:
+        raise ConfigError(fit_line(str(path), problems, "model", _differing_fields(path, model)))
     try:
-        missing, unexpected = load_safetensors(model, str(Path(path) / MODEL_FILE), strict=False, device=str(device))
+        missing, unexpected = load_safetensors(model, file, strict=False, device=str(device))
     except RuntimeError as exc:
         raise ConfigError(
             f"model: the weights in {path} do not fit this model config ({str(exc).splitlines()[0]})"
@@ -189,6 +201,28 @@ def load_weights(
     if missing or unexpected:
         detail = f"missing {', '.join(missing[:3])}" if missing else f"unexpected {', '.join(unexpected[:3])}"
         raise ConfigError(f"model: the weights in {path} do not fit this model config ({detail})")
+
+
+SHAPE_FIELDS = ("family", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len")
+
+
+def _differing_fields(path: Path, model: nn.Module) -> str:
+    """Which shape fields of the checkpoint's saved model config differ from ``model``'s: the keys to set."""
+    from run.config import run_config_from_dict
+
+    ours = getattr(model, "cfg", None)
+    try:
+        theirs = run_config_from_dict(tomllib.loads(load_trainer_state(path)["config"])).model
+    except Exception:  # noqa: BLE001 - only a better message is lost: the tensor shapes already say it
+        return ""
+    if ours is None:
+        return ""
+    fields = [
+        f"model.{f} = {getattr(theirs, f)!r} there, {getattr(ours, f)!r} here"
+        for f in SHAPE_FIELDS
+        if getattr(theirs, f) != getattr(ours, f)
+    ]
+    return ", ".join(fields)
 
 
 def load_model(

@@ -290,12 +290,21 @@ def derived_config(path: str | Path) -> dict[str, Any] | None:
     return None
 
 
+def raw_run_config(path: str | Path | None) -> dict[str, Any]:
+    """A TOML run config (or a derived ``<base>_<variant>.toml``) as written: a dict, nothing resolved."""
+    return (derived_config(path) or configlib.load_toml(path)) if path else {}
+
+
 def load_run_config(path: str | Path | None, overrides: Sequence[str] = (), *, validate: bool = True) -> RunConfig:
     """Read a TOML file (or a derived ``<base>_<variant>.toml``, see ``derived_config``), apply
-    ``--set`` overrides, build and validate."""
-    data = (derived_config(path) or configlib.load_toml(path)) if path else {}
+    ``--set`` overrides, take the model's shape from ``train.init_from = "hf:PATH"`` (run/hf_init.py),
+    build and validate."""
+    from run.hf_init import apply_hf_init
+
+    data = raw_run_config(path)
     for assignment in overrides:
         configlib.apply_override(data, assignment)
+    apply_hf_init(data)  # train.init_from = "hf:PATH": the model's shape is the folder's config.json
     cfg = run_config_from_dict(data)
     if validate:
         cfg.validate()

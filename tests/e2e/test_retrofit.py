@@ -73,11 +73,8 @@ def journey(tmp_path_factory, cache_dir, shared_data) -> dict[str, Path]:
     cli("pretrain.train", "--config", str(CONFIGS / "tiny_novels.toml"), *novels)
     cli("pretrain.export", "--run", str(paths["novels"]), "--format", "hf", "--out", str(paths["novels_hf"]))
     cli("pretrain.hf_import", "--hf", str(paths["novels_hf"]), "--out", str(paths["base"]), "--no-start")
-    domain = {
-        "data.path": str(root / "train.txt"),
-        "data.tokenizer": str(paths["imported"]),
-        "train.init_from": str(paths["imported"]),
-    }
+    # as docs/retrofit.md runs it: the configs start from the HF folder itself (hf:PATH: its shape, its tokenizer)
+    domain = {"data.path": str(root / "train.txt"), "train.init_from": f"hf:{paths['novels_hf']}"}
     focus = toy(paths["focus"], cache_dir, **domain, **{"model.attention.focus.window": 8})
     cli("pretrain.train", "--config", str(CONFIGS / "tiny_retrofit_focus.toml"), *focus)
     cli(

@@ -58,16 +58,38 @@ def test_data_dir_from_metadata_env_or_default(tmp_path, monkeypatch):
     assert resolve_data_dir(None) == tmp_path and resolve_data_dir(str(default)) == default
 
 
-def test_shipped_yamls_load_directly_and_answer_to_the_plain_names(shared_data):
-    """eval/tasks as it is (no rendering); the CLI test below runs it beside lm_eval's built-ins."""
+def test_shipped_yamls_load_directly_under_their_own_names(shared_data):
+    """eval/tasks as it is (no rendering); the CLI test below runs it beside lm_eval's built-ins. No task, tag or
+    group takes a built-in's name (lm-eval would warn on every run that it overrides it)."""
     from lm_eval.tasks import TaskManager
+
+    from eval.lm_tasks import LM_EVAL_PREFIX, TASKS
 
     text = (TASK_DIR / "hellaswag.yaml").read_text()
     assert "@" not in text.replace("# ", "")  # no placeholders left to fill
     manager = TaskManager(include_path=str(TASK_DIR), include_defaults=False, metadata={"data_dir": str(shared_data)})
-    tasks = manager.load(["hellaswag"])["tasks"]  # the plain name: our folder's tag
-    hella = tasks["focused_hellaswag"]
+    assert set(manager.all_tasks) == {LM_EVAL_PREFIX + t for t in TASKS}
+    hella = manager.load(["focused_hellaswag"])["tasks"]["focused_hellaswag"]
     assert len(hella.eval_docs) == 10042 and hella.doc_to_target(hella.eval_docs[1]) == 3
+
+
+def test_wrapper_names_our_tasks_and_reports_the_batch_size_used():
+    from eval.lm_eval import _with_task_dir
+
+    argv = ["--model", "focused", "--model_args", "run=r,batch_size=8", "--tasks", "hellaswag,wikitext,mmlu"]
+    assert _with_task_dir(argv) == [
+        *argv[:5],
+        "focused_hellaswag,focused_wikitext,mmlu",
+        "--include_path",
+        str(TASK_DIR),
+        "--batch_size",
+        "8",
+    ]
+    given = ["--model", "hf", "--tasks=piqa", "--batch_size", "2", "--include_path", "elsewhere"]
+    assert _with_task_dir(given) == given  # another task folder: names left alone; the CLI's batch size kept
+    json_args = ["--model", "focused", "--model_args", '{"run": "r", "batch_size": 4}', "-t", "piqa"]
+    assert _with_task_dir(json_args)[5] == "focused_piqa" and _with_task_dir(json_args)[-2:] == ["--batch_size", "4"]
+    assert _with_task_dir(["ls", "tasks"]) == ["ls", "tasks"]
 
 
 def test_evaluate_reports_stderr_beside_each_metric(shared_data):
@@ -94,7 +116,8 @@ def _run(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
-def test_wrapper_cli_prints_a_hellaswag_table_on_20_local_examples(run_dir, shared_data):
+def test_wrapper_cli_prints_a_hellaswag_table_on_10_local_examples(run_dir, shared_data):
+    """Quiet: no task-override warning (nothing shadows a built-in), and the summary's batch size is the one used."""
     out = _run(
         "eval.lm_eval",
         "--model",
@@ -103,14 +126,14 @@ def test_wrapper_cli_prints_a_hellaswag_table_on_20_local_examples(run_dir, shar
         f"run={run_dir},device=cpu,batch_size=8",
         "--tasks",
         "hellaswag",
-        "--include_path",
-        str(TASK_DIR),
         "--metadata",
         json.dumps({"data_dir": str(shared_data)}),
         "--limit",
-        "20",
+        "10",
     )
     assert out.returncode == 0, out.stderr[-3000:]
+    assert "overrides" not in out.stdout + out.stderr, out.stderr
+    assert "limit: 10.0, num_fewshot: None, batch_size: 8" in out.stdout, out.stdout
     rows = [line for line in out.stdout.splitlines() if line.startswith("|")]
     assert rows and "Stderr" in rows[0], out.stdout
     acc = next(line for line in rows if "focused_hellaswag" in line and "|acc " in line)
@@ -137,3 +160,32 @@ def test_eval_run_json_carries_stderr(run_dir, shared_data, tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     metrics = json.loads((tmp_path / "r.json").read_text())["hellaswag"]
     assert set(metrics) == {"acc", "acc_stderr", "acc_norm", "acc_norm_stderr"} and "±" in out.stdout
+
+
+@pytest.mark.slow
+def test_lm_eval_hf_model_on_an_export_gives_our_wikitext_perplexity(run_dir, shared_data, tmp_path):
+    """lm-eval's own ``--model hf`` on ``pretrain.export --format hf`` scores WikiText pages as the project does:
+    the export names EOS (what the project starts a text from) as its BOS, lm-eval's prefix token. The
+    SentencePiece tokenizer here has BOS != EOS, the case that differed by nats per page."""
+    from data.tokenizer import load_tokenizer
+    from pretrain.export import export_hf
+    from run.checkpoint import latest_checkpoint, load_model
+
+    checkpoint = latest_checkpoint(run_dir)
+    export = export_hf(checkpoint, tmp_path / "export", log=lambda line: None)
+    out = subprocess.run(
+        [sys.executable, "-m", "eval.lm_eval", "--model", "hf", "--model_args", f"pretrained={export},dtype=float32"]
+        + ["--device", "cpu", "--tasks", "wikitext", "--limit", "5", "--output_path", str(tmp_path / "results")],
+        cwd=REPO,
+        env=dict(os.environ, HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", FOCUSED_PRETRAIN_EVAL_DATA=str(shared_data)),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    saved = json.loads(next((tmp_path / "results").rglob("results_*.json")).read_text())
+    theirs = saved["results"]["focused_wikitext"]["word_perplexity,none"]
+    model, _ = load_model(checkpoint)
+    lm = FocusedLM(model, load_tokenizer(checkpoint / "tokenizer.model"), batch_size=8)
+    ours = evaluate(lm, ["wikitext"], limit=5, data_dir=shared_data)["wikitext"]["word_perplexity"]
+    assert abs(theirs - ours) <= 1e-4 * ours, (theirs, ours)
