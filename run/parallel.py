@@ -10,14 +10,13 @@ need no process: ``check_layout`` runs from the config alone (``RunConfig.valida
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from core.errors import ConfigError, check_min
 from run.engines import ENGINE_SPECS
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
-    from run.config import TrainConfig
 
 
 @dataclass
@@ -37,7 +36,16 @@ class ParallelConfig:
         return self.tp * self.cp
 
 
-def check_layout(train: TrainConfig, model: ModelConfig, seq_len: int) -> None:
+class TrainLayout(Protocol):
+    """What the checks read of ``run.config.TrainConfig`` (named here, so this module does not import it)."""
+
+    engine: str
+    parallel: ParallelConfig
+
+    def options(self, engine: str) -> Any: ...
+
+
+def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
     """The layout checks that need no world size; one ``ConfigError`` line each."""
     par = train.parallel
     if par.model_parallel > 1 and not ENGINE_SPECS[train.engine].model_parallel:
@@ -58,7 +66,7 @@ def check_layout(train: TrainConfig, model: ModelConfig, seq_len: int) -> None:
         )
 
 
-def data_parallel_size(train: TrainConfig, world_size: int) -> int:
+def data_parallel_size(train: TrainLayout, world_size: int) -> int:
     """``dp`` for ``world_size`` processes: a one-line ``ConfigError`` unless dp x cp x tp = world_size."""
     par = train.parallel
     if world_size % par.model_parallel:

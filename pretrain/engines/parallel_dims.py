@@ -55,7 +55,9 @@ class ParallelDims:
         """The mesh (every rank calls this, in the same order) and its flattened views."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS)
+        mesh = init_device_mesh(
+            device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
+        )
         mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")

@@ -52,7 +52,8 @@ class _SumGradOverGroup(torch.autograd.Function):
 
 def sum_grad_over(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """``x`` unchanged; its gradient summed over ``group``."""
-    return _SumGradOverGroup.apply(x, group)  # type: ignore[no-any-return]  # autograd.Function.apply is untyped
+    out: Tensor = _SumGradOverGroup.apply(x, group)
+    return out
 
 
 def _compute_locally(module: nn.Module, names: dict[str, dist.ProcessGroup | None]) -> None:
