@@ -2,8 +2,8 @@
 
 For every trainable attention variant (its distinct parameter sets, read from the registry as test_matrix.py
 does) on LLaMA blocks with GQA and QK-norm, full attention on a GPT-2 block (LayerNorm, biases, learned
-positions, a tied head split over the vocabulary): ``tp=2`` (2 processes) and ``dp=2 x tp=2`` (4 processes, HSDP-free FSDP2 over
-dp) runs of 10 steps give the single-process run's training loss and gradient norm at every step within 1e-5
+positions, a tied head split over the vocabulary): ``tp=2`` (2 processes) and ``dp=2 x tp=2`` (4 processes,
+FSDP2 over dp) runs of 10 steps give the single-process run's training loss and gradient norm at every step within 1e-5
 relative. One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The loader is indexed
 by the data-parallel rank, so each layout trains on the same global batches.
 """
