@@ -35,6 +35,8 @@ class ParallelDims:
     cp: int
     tp: int
     mesh: DeviceMesh | None = field(default=None, repr=False)
+    # the flattened views, kept as _flatten returns them (slicing a flattened dim from the root is deprecated)
+    views: dict[str, DeviceMesh] = field(default_factory=dict, repr=False)
 
     @classmethod
     def from_config(cls, cfg: TrainConfig, world_size: int) -> ParallelDims:
@@ -58,9 +60,11 @@ class ParallelDims:
         mesh = init_device_mesh(
             device_type, (self.dp_replicate, self.dp_shard, self.cp, self.tp), mesh_dim_names=MESH_DIMS
         )
-        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
-        mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp")
+        self.views = {
+            "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
+            "dp": mesh["dp_replicate", "dp_shard"]._flatten("dp"),
+            "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+        }
         self.mesh = mesh
         return mesh
 
@@ -72,7 +76,9 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """What FSDP2 shards over: ``dp_shard_cp``, with ``dp_replicate`` in front for HSDP."""
         mesh = self._built()
-        return mesh["dp_replicate", "dp_shard_cp"] if self.dp_replicate > 1 else mesh["dp_shard_cp"]
+        if self.dp_replicate == 1:
+            return self.views["dp_shard_cp"]
+        return mesh["dp_replicate", "dp_shard"] if self.cp == 1 else mesh["dp_replicate", "dp_shard_cp"]
 
     def tp_mesh(self) -> DeviceMesh | None:
         """The tensor-parallel sub-mesh; None when tp = 1."""
@@ -89,8 +95,10 @@ class ParallelDims:
 
     def data_rank(self) -> int:
         """This rank's index among the data-parallel replicas (the loader's rank)."""
-        return self._built()["dp"].get_local_rank()
+        self._built()
+        return self.views["dp"].get_local_rank()
 
     def data_group(self) -> dist.ProcessGroup:
         """The ranks whose token counts and loss sums add up (``dp_cp``): one rank of each TP group."""
-        return self._built()["dp_cp"].get_group()
+        self._built()
+        return self.views["dp_cp"].get_group()
