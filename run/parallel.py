@@ -41,6 +41,7 @@ class TrainLayout(Protocol):
 
     engine: str
     parallel: ParallelConfig
+    compile: bool
 
     def options(self, engine: str) -> Any: ...
 
@@ -55,6 +56,9 @@ def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
             f"train.parallel.{key}: {getattr(par, key)} needs an engine that hosts model parallelism; "
             f"train.engine={train.engine} cannot (use: {capable})"
         )
+    if par.tp > 1 and train.compile:
+        # the TP plan swaps local tensors in with forward hooks, which a compiled block does not run
+        raise ConfigError("train.compile: not supported with train.parallel.tp > 1 yet; set train.compile = false")
     if model.n_heads % par.tp:
         raise ConfigError(f"train.parallel.tp: {par.tp} does not divide model.n_heads={model.n_heads}")
     if model.kv_heads % par.tp:

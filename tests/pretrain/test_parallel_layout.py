@@ -29,6 +29,7 @@ IMPOSSIBLE = {  # label -> (overrides, the one line's start)
     "ddp_tp": (["train.engine=ddp", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine that hosts"),
     "deepspeed_tp": (["train.engine=deepspeed", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine"),
     "single_cp": (["train.parallel.cp=2"], "train.parallel.cp: 2 needs an engine that hosts"),
+    "tp_compile": ([FSDP2, "train.parallel.tp=2", "train.compile=true"], "train.compile: not supported with train.par"),
     "tp_zero": ([FSDP2, "train.parallel.tp=0"], "train.parallel.tp: must be >= 1"),
 }
 
