@@ -127,3 +127,4 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
             _compute_locally(module, local)
     for block in model.blocks:
         block.attn.core.register_forward_pre_hook(_sum_hidden_grad(group), with_kwargs=True)
+    model.heads_split = mesh.size()  # KV caches (generation) hold the local heads

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from model.attention import registry
-from tests.e2e.helpers import run_sequence, train_rows, worst_relative
+from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_matrix import SHAPE, variant_cases
 from tests.e2e.test_train_cli import overrides
 
@@ -40,6 +40,7 @@ LAYOUTS = {  # label -> (processes, overrides)
     "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
 }
 _launches: dict[str, dict[str, str]] = {}
+SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
 
 def _run_dir(root: Path, layout: str, case: str) -> Path:
@@ -58,6 +59,16 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
     return _launches[layout]
 
 
+@pytest.fixture(scope="module", autouse=True)
+def summary(tmp_path_factory):
+    yield SUMMARY
+    if SUMMARY:
+        lines = ["| layout | case | worst relative loss | worst relative grad norm |", "|---|---|---|---|"]
+        lines += [f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} |" for (lay, case), w in SUMMARY.items()]
+        md = write_summary(tmp_path_factory, "tensor_parallel_summary.md", "\n".join(lines) + "\n")
+        print("\n" + "\n".join(lines) + f"\n(written to {md})")
+
+
 def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert {c.split("/")[0] for c in CASES} >= {k for k, e in registry.items() if e.cls.trainable}
     assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
@@ -70,6 +81,7 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
     assert status[case] == "ok", status[case]
     run, ref = train_rows(_run_dir(root, layout, case)), train_rows(_run_dir(root, "single", case))
     assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
+    worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in ("loss", "grad_norm")}
+    SUMMARY[(layout, case)] = worst
     for key in ("loss", "grad_norm"):
-        worst = worst_relative({s: run[s][key] for s in run}, {s: ref[s][key] for s in ref})
-        assert worst <= TOL, f"{key}: worst relative difference {worst:.3g} against the single-process run"
+        assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
