@@ -57,23 +57,26 @@ def sum_grad_over(x: Tensor, group: dist.ProcessGroup) -> Tensor:
 
 
 def _compute_locally(module: nn.Module, names: dict[str, dist.ProcessGroup | None]) -> None:
-    """During ``module``'s forward its DTensor parameters ``names`` are its local tensors (the gradient summed
-    over the group where one is given), restored afterwards. The swap reads ``_parameters`` at call time, so
-    it follows FSDP2, which registers the gathered parameters before the forward of the unit."""
-    saved: dict[str, Any] = {}
+    """During ``module``'s forward its DTensor parameters ``names`` (dotted, its submodules' included: a variant
+    may read a child's weight without calling the child, as Focus's decoding fold does) are their local tensors
+    (the gradient summed over the group where one is given), restored afterwards. The swap reads ``_parameters``
+    at call time, so it follows FSDP2, which registers the gathered parameters before the forward of the unit."""
+    saved: dict[tuple[nn.Module, str], Any] = {}
 
     def swap_in(mod: nn.Module, args: Any) -> None:
-        for name, group in names.items():
-            param = mod._parameters[name]
+        for dotted, group in names.items():
+            path, _, leaf = dotted.rpartition(".")
+            owner = mod.get_submodule(path)
+            param = owner._parameters[leaf]
             if param is None:
                 continue
-            saved[name] = param
+            saved[(owner, leaf)] = param
             local = param.to_local() if hasattr(param, "to_local") else param
-            mod._parameters[name] = sum_grad_over(local, group) if group is not None else local  # type: ignore[assignment]  # a local view stands in for the parameter during this forward
+            owner._parameters[leaf] = sum_grad_over(local, group) if group is not None else local  # type: ignore[assignment]  # a local view stands in for the parameter during this forward
 
     def swap_out(mod: nn.Module, args: Any, output: Any) -> None:
-        for name, param in saved.items():
-            mod._parameters[name] = param
+        for (owner, leaf), param in saved.items():
+            owner._parameters[leaf] = param
         saved.clear()
 
     module.register_forward_pre_hook(swap_in)
@@ -111,10 +114,16 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
 
     group = mesh.get_group()
     attention_modules = {id(m) for block in model.blocks for m in block.attn.modules()}
-    cores = {id(block.attn.core) for block in model.blocks}
+    # a variant's whole subtree is swapped by its core's hooks (it may read a child's weight directly)
+    owner_of: dict[int, tuple[nn.Module, str]] = {}
+    for block in model.blocks:
+        for path, sub in block.attn.core.named_modules():
+            owner_of[id(sub)] = (block.attn.core, path + "." if path else "")
+    swaps: dict[int, tuple[nn.Module, dict[str, dist.ProcessGroup | None]]] = {}
     for module in model.modules():
-        local: dict[str, dist.ProcessGroup | None] = {}
-        per_head = module.head_sharded_parameters() if id(module) in cores else {}  # type: ignore[operator]  # an Attention core
+        owner, prefix = owner_of.get(id(module), (module, ""))
+        is_core = owner is module and id(module) in owner_of
+        per_head = module.head_sharded_parameters() if is_core else {}  # type: ignore[operator]  # an Attention core
         for name, param in list(module._parameters.items()):
             if param is None or hasattr(param, "to_local"):  # placed by the plan above
                 continue
@@ -122,9 +131,10 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
             dt = distribute_tensor(param.detach(), mesh, [placement])
             module.register_parameter(name, nn.Parameter(dt, requires_grad=param.requires_grad))
             # inside the attention, a replicated parameter only sees the local heads: its gradient is partial
-            local[name] = group if id(module) in attention_modules and name not in per_head else None
-        if local:
-            _compute_locally(module, local)
+            reduce = group if id(module) in attention_modules and name not in per_head else None
+            swaps.setdefault(id(owner), (owner, {}))[1][prefix + name] = reduce
+    for owner, names in swaps.values():
+        _compute_locally(owner, names)
     for block in model.blocks:
         block.attn.core.register_forward_pre_hook(_sum_hidden_grad(group), with_kwargs=True)
     model.heads_split = mesh.size()  # KV caches (generation) hold the local heads
