@@ -69,9 +69,10 @@ class SelfAttention(nn.Module):
         documents: Tensor | None = None,
     ) -> AttnOut:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # heads from the projections' sizes: under tensor parallelism a rank holds n_heads / tp of them
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
@@ -134,6 +135,8 @@ class Transformer(nn.Module):
         # data.document_masking: the EOS id that ends documents; whole-sequence forwards then mask
         # attention per document and restart positions (model/documents.py). None = off.
         self.document_eos_id: int | None = None
+        # tensor parallelism splits the heads over this many ranks (set by the TP plan): a KV cache holds the local ones
+        self.heads_split = 1
         scalars = [name for name, p in self.named_parameters() if p.dim() == 0]
         if scalars:  # fully_shard refuses them at wrap time, on a cluster: say so when the model is built
             raise ValueError(
@@ -195,7 +198,7 @@ class Transformer(nn.Module):
         return [
             KVCache(
                 batch,
-                self.cfg.kv_heads,
+                self.cfg.kv_heads // self.heads_split,
                 self.cfg.head_dim,
                 max_len,
                 dtype=dtype or ref.dtype,

@@ -130,7 +130,8 @@ class Trainer:
         if cfg.train.init_from and not ckpt.complete_checkpoints(self.run_dir):
             self._init_from(cfg.train.init_from)  # before the engine wraps the weights (FSDP2 shards, ZeRO copies them)
         self.engine: Engine = build_engine(self.model, cfg.train, self.device)
-        world = self.engine.world_size
+        # the loader is indexed by the data-parallel rank: the TP (and CP) ranks of one replica read the same sequences
+        world = self.engine.data_world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)
         if self.corpus.stream is not None:
             self.loader: StreamBatchLoader | BatchLoader = StreamBatchLoader(
@@ -139,7 +140,7 @@ class Trainer:
                 seq_len=cfg.data.seq_len,
                 batch_size=cfg.train.batch_size,
                 micro_batch_size=micro,
-                rank=self.engine.rank,
+                rank=self.engine.data_rank,
                 world_size=world,
                 seed=cfg.train.seed,
             )
@@ -149,7 +150,7 @@ class Trainer:
                 self.corpus.train,
                 batch_size=cfg.train.batch_size,
                 micro_batch_size=micro,
-                rank=self.engine.rank,
+                rank=self.engine.data_rank,
                 world_size=world,
                 seed=cfg.train.seed,
             )
@@ -222,7 +223,7 @@ class Trainer:
         if not counts:
             return {}
         names = sorted(counts)
-        total = self.engine.all_reduce_sum(
+        total = self.engine.all_reduce_data_sum(
             torch.tensor([float(counts[n]) for n in names], dtype=torch.float64, device=self.device)
         )
         out = {f"data/tokens/{n}": float(v) for n, v in zip(names, total.tolist())}
@@ -246,12 +247,17 @@ class Trainer:
             tokens=self.tokens,
             rng=self.engine.gather_object(rng_state()),
             world_size=self.engine.world_size,
-            loader=self.engine.gather_object(self.loader.state_dict()),
+            loader=self._loader_states(),
             data_fingerprint=self.corpus.fingerprint,
             tokenizer_fingerprint=self.corpus.tokenizer.fingerprint,
             config=self.cfg.to_toml(),
             code_version=code_version(),
         )
+
+    def _loader_states(self) -> list:
+        """Every data-parallel rank's loader state, in data-rank order (the TP ranks of a replica hold the same)."""
+        by_rank = dict(self.engine.gather_object((self.engine.data_rank, self.loader.state_dict())))
+        return [by_rank[r] for r in sorted(by_rank)]
 
     def _init_from(self, source: str) -> None:
         """Continue training another run's weights (context extension, retrofits): model only."""
@@ -386,11 +392,11 @@ class Trainer:
             self.corpus.val,
             batch_size=self.eval_batch_size,
             max_batches=self.cfg.eval.batches,
-            rank=self.engine.rank,
-            world_size=self.engine.world_size,
+            rank=self.engine.data_rank,
+            world_size=self.engine.data_world_size,
         )
         local, count = mean_loss(self.engine.model, batches, device=self.device, autocast=self.engine.autocast())
-        sums = self.engine.all_reduce_sum(
+        sums = self.engine.all_reduce_data_sum(
             torch.tensor([local * count, float(count)], dtype=torch.float64, device=self.device)
         )
         loss = float(sums[0] / sums[1])
@@ -431,7 +437,7 @@ class Trainer:
         self._apply_trainable()
         micro = self.loader.next_step()
         n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro)
-        n_global = int(self.engine.all_reduce_sum(torch.tensor(float(n_local), device=self.device)))
+        n_global = int(self.engine.all_reduce_data_sum(torch.tensor(float(n_local), device=self.device)))
         lr = self.engine.lr
         loss_sum = torch.zeros((), device=self.device)
         aux_sum: torch.Tensor | None = None
@@ -459,7 +465,7 @@ class Trainer:
             return {}
         record = {
             "step": self.step,
-            "loss": float(self.engine.all_reduce_sum(loss_sum)) / n_global,
+            "loss": float(self.engine.all_reduce_data_sum(loss_sum)) / n_global,
             "lr": lr,
             "grad_norm": float(grad_norm),
             "tokens": self.tokens,

@@ -15,6 +15,7 @@ from data.config import DataConfig
 from model.activation_checkpointing import MODES as AC_MODES
 from model.config import ModelConfig, model_config_from_dict
 from run.engines import ENGINE_SPECS
+from run.parallel import ParallelConfig, check_layout
 
 SCHEDULES = ("cosine", "linear", "constant", "wsd")
 # the lm-eval tasks eval/harness.py ships templates for (a test checks the two lists agree)
@@ -100,6 +101,8 @@ class TrainConfig:
     # seconds a collective may wait for another rank once the first step is done (the first step and checkpoint
     # saves get 30 minutes); a stalled rank then ends the job with one line naming it, and a requeue
     collective_timeout: float = 300.0
+    # [train.parallel]: tensor / context parallel degrees; data parallelism is the rest of the world size
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     # each engine's own options (the table [train.<engine>]), filled from the engine specs
     engine_options: dict[str, Any] = field(default_factory=dict, metadata={"config": False})
     # keys that moved into an engine's table: still read, with a one-line note (core.configlib)
@@ -128,6 +131,7 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "stop_at", "unfreeze_at"):
             check_min(f"train.{name}", getattr(self, name), 0)
         check_choice("train.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        self.parallel.validate("train.parallel.")
         for name, options in self.engine_options.items():
             options.validate(f"train.{name}.")
             if name != self.engine and options != type(options)():
@@ -241,6 +245,7 @@ class RunConfig:
         self.log.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        check_layout(self.train, self.model, self.data.seq_len)
         if self.data.document_masking:
             from model.attention import registry
 

@@ -54,6 +54,8 @@ class EngineSpec:
     skips_updates: bool = True
     # the engine's own options, the table [train.<name>] (a dataclass with validate(prefix)); None: none
     options_cls: type | None = None
+    # hosts train.parallel.tp / cp > 1 (one device mesh: tensor / context parallel inside data parallel)
+    model_parallel: bool = False
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {}
@@ -78,6 +80,7 @@ for _spec in (
         changes_trainable=True,  # fully_shard follows requires_grad at every all-gather; gradient dtypes re-derived
         distributed=True,
         options_cls=FSDP2Options,
+        model_parallel=True,
     ),
     EngineSpec(
         "deepspeed",

@@ -140,6 +140,15 @@ class Attention(nn.Module):
         (e.g. Lazy's large RoPE base on LLaMA-family models)."""
         return {}
 
+    def head_sharded_parameters(self) -> dict[str, int]:
+        """Tensor parallelism (train.parallel.tp): this module's own parameters that are per head, each with the
+        dimension that indexes the (query) heads; they are split with the heads, so a rank holds its local heads'
+        rows. Every other parameter of the module is replicated on the TP ranks and its gradient summed over them
+        (each rank computes only its heads' part). Default: none per head. Under TP a variant sees ``n_heads / tp``
+        local heads in q, k, v (reshape by the tensors' sizes, not ``spec.n_heads``), and its ``aux_loss`` must be
+        a function of ``hidden`` and replicated parameters only (each TP rank adds 1 / tp of it)."""
+        return {}
+
     def set_train_progress(self, step: int, max_steps: int) -> None:
         """Called before every training step (schedules such as Focus's lambda); values it sets must
         live in persistent buffers so they are checkpointed with the weights."""

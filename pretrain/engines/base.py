@@ -51,6 +51,12 @@ class Engine:
     # Data-parallel engines average gradients over ranks; the loss is scaled up by this so the
     # update is the gradient of (global token loss sum / global target tokens) on every engine.
     grad_average_ranks = 1
+    # the data-parallel rank and size: the loader's index (train.parallel: the TP / CP ranks of a replica share it)
+    data_rank = 0
+    data_world_size = 1
+    # tensor-parallel degree: a variant's aux loss is computed alike on every TP rank and its gradients summed
+    # over them, so each rank adds 1 / tp of it
+    tp_size = 1
 
     def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
         """The one set-up every engine goes through; engines change it by overriding the hooks below."""
@@ -58,6 +64,7 @@ class Engine:
         self.device = device
         self.raw_model = model
         self.amp_dtype = self.autocast_dtype()
+        self.parallelize(model)  # tensor / context parallel first, then AC and compile, then the data-parallel wrap
         prepare_blocks(model, cfg)
         self.wrapped = self.wrap(model)  # DDP / FSDP2 wrapping happens before the optimizer sees the parameters
         self.model: nn.Module = self.wrapped
@@ -67,6 +74,9 @@ class Engine:
     def autocast_dtype(self) -> torch.dtype | None:
         """The forward's autocast dtype; None = none (full fp32, or the engine casts itself)."""
         return autocast_dtype(self.cfg.precision, self.device)
+
+    def parallelize(self, model: Transformer) -> None:
+        """Model parallelism (train.parallel) applied in place before anything else; none by default."""
 
     def wrap(self, model: Transformer) -> nn.Module:
         """The module the forward runs through (DDP, FSDP2 ...); the raw model by default."""
@@ -106,7 +116,7 @@ class Engine:
                 out = self.model(inputs, targets=targets, return_logits=False)
             loss = out.loss_sum * (loss_scale * self.grad_average_ranks)
             if out.aux_loss is not None:
-                loss = loss + out.aux_loss * aux_scale
+                loss = loss + out.aux_loss * (aux_scale / self.tp_size)
             loss.backward()
         aux = out.aux_loss.detach() if out.aux_loss is not None else None
         return MicroStepOut(out.loss_sum.detach(), out.n_tokens, aux, out.stats)
@@ -139,6 +149,11 @@ class Engine:
 
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         return value
+
+    def all_reduce_data_sum(self, value: Tensor) -> Tensor:
+        """A per-replica quantity (token counts, loss sums) summed over the data-parallel (and CP) ranks: the TP
+        ranks of one replica hold the same value, so they count once."""
+        return self.all_reduce_sum(value)
 
     def barrier(self) -> None:
         pass

@@ -26,6 +26,7 @@ from core.device import resolve_device
 from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
+from run.parallel import data_parallel_size
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -47,6 +48,7 @@ def init_process_group(cfg: TrainConfig) -> torch.device:
             f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); "
             "RANK/WORLD_SIZE are not set"
         )
+    data_parallel_size(cfg, int(os.environ["WORLD_SIZE"]))  # an impossible layout stops before any process waits
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -78,12 +80,19 @@ class DataParallelEngine(Engine):
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.grad_average_ranks = self.world_size
+        self.data_rank, self.data_world_size = self.rank, self.world_size
+        self.data_group: dist.ProcessGroup | None = None  # None: every rank holds its own data (no model parallelism)
         super().__init__(model, cfg, device)
 
     # ---- collectives ------------------------------------------------------------------
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         value = value.clone()
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def all_reduce_data_sum(self, value: Tensor) -> Tensor:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.data_group)
         return value
 
     def barrier(self) -> None:
@@ -228,25 +237,34 @@ class DDPEngine(DataParallelEngine):
 class FSDP2Engine(DataParallelEngine):
     """Parameters, gradients and optimizer state sharded over ranks: ``fully_shard`` per block,
     then the root (embeddings, final norm and the tied head in one unit). bf16 parameters with
-    fp32 gradient reduction on CUDA; fp32 on CPU. ``train.fsdp2.replicate`` > 1 makes it HSDP
-    (a 2-D replicate x shard mesh)."""
+    fp32 gradient reduction on CUDA; fp32 on CPU. One device mesh (``parallel_dims``):
+    ``train.fsdp2.replicate`` > 1 makes it HSDP (replicate x shard), ``train.parallel.tp`` > 1 splits
+    heads and MLP columns first (``tensor_parallel``), and FSDP2 shards over the data-parallel dimensions."""
 
     name = "fsdp2"
 
+    def parallelize(self, model: Transformer) -> None:
+        from pretrain.engines.parallel_dims import ParallelDims
+
+        self.dims = dims = ParallelDims.from_config(self.cfg, self.world_size)
+        if dims.cp > 1:  # the mesh has its cp dimension; the attention's K/V exchange is not in yet
+            raise ConfigError(f"train.parallel.cp: {dims.cp}: context parallelism is not implemented yet; use cp = 1")
+        dims.build_mesh(self.device.type)
+        self.data_rank, self.data_world_size = dims.data_rank(), dims.dp
+        # FSDP2 averages gradients over its mesh (dp x cp); TP gradients are whole on each rank
+        self.grad_average_ranks = dims.dp * dims.cp
+        tp_mesh = dims.tp_mesh()
+        if tp_mesh is not None:
+            from pretrain.engines.tensor_parallel import apply_tp
+
+            self.data_group = dims.data_group()
+            self.tp_size = dims.tp
+            apply_tp(model, tp_mesh)
+
     def wrap(self, model: Transformer) -> nn.Module:
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        replicate = self.cfg.options("fsdp2").replicate
-        if self.world_size % replicate:
-            raise ConfigError(f"train.fsdp2.replicate: {replicate} does not divide the world size {self.world_size}")
-        if replicate > 1:  # HSDP: shard within groups, all-reduce across them
-            mesh = init_device_mesh(
-                self.device.type, (replicate, self.world_size // replicate), mesh_dim_names=("replicate", "shard")
-            )
-        else:
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-        kwargs: dict[str, Any] = {"mesh": mesh}
+        kwargs: dict[str, Any] = {"mesh": self.dims.fsdp_mesh()}
         if self.amp_dtype is not None and self.device.type == "cuda":
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.amp_dtype, reduce_dtype=torch.float32)
             self.amp_dtype = None  # the policy casts; no autocast on top

@@ -81,6 +81,9 @@ class LazyAttention(Attention):
         self.tau = nn.Parameter(torch.full((spec.n_heads,), float(cfg.tau_init)))
         self.reset_parameters()
 
+    def head_sharded_parameters(self) -> dict[str, int]:
+        return {"distance_bias": 0, "tau": 0}  # one row per head: split with the heads under tensor parallelism
+
     def reset_parameters(self) -> None:
         with torch.no_grad():
             self.tau.fill_(float(self.cfg.tau_init))

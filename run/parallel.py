@@ -1,0 +1,89 @@
+"""``[train.parallel]``: the model-parallel degrees of a run and every check a layout needs.
+
+Data parallelism is what remains of the world size: ``dp = world / (cp * tp)``, split into
+``dp_replicate = train.fsdp2.replicate`` (HSDP) and ``dp_shard = dp / dp_replicate``. The checks here
+need no process: ``check_layout`` runs from the config alone (``RunConfig.validate``), and
+``data_parallel_size`` once the world size is known (the launcher's ``--nodes`` x processes, or
+``WORLD_SIZE`` before the process group starts). The mesh itself is ``pretrain.engines.parallel_dims``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+from core.errors import ConfigError, check_min
+from run.engines import ENGINE_SPECS
+
+if TYPE_CHECKING:
+    from model.config import ModelConfig
+
+
+@dataclass
+class ParallelConfig:
+    """``[train.parallel]``"""
+
+    tp: int = 1  # tensor parallel degree: heads and MLP columns split over tp ranks (fsdp2 only)
+    cp: int = 1  # context parallel degree: each sequence split into 2 x cp chunks over cp ranks (fsdp2 only)
+
+    def validate(self, prefix: str) -> None:
+        check_min(prefix + "tp", self.tp, 1)
+        check_min(prefix + "cp", self.cp, 1)
+
+    @property
+    def model_parallel(self) -> int:
+        """Ranks that hold one data-parallel replica's share of a batch: cp x tp."""
+        return self.tp * self.cp
+
+
+class TrainLayout(Protocol):
+    """What the checks read of ``run.config.TrainConfig`` (named here, so this module does not import it)."""
+
+    engine: str
+    parallel: ParallelConfig
+    compile: bool
+
+    def options(self, engine: str) -> Any: ...
+
+
+def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
+    """The layout checks that need no world size; one ``ConfigError`` line each."""
+    par = train.parallel
+    if par.model_parallel > 1 and not ENGINE_SPECS[train.engine].model_parallel:
+        capable = ", ".join(n for n, s in ENGINE_SPECS.items() if s.model_parallel)
+        key = "tp" if par.tp > 1 else "cp"
+        raise ConfigError(
+            f"train.parallel.{key}: {getattr(par, key)} needs an engine that hosts model parallelism; "
+            f"train.engine={train.engine} cannot (use: {capable})"
+        )
+    if par.tp > 1 and train.compile:
+        # the TP plan swaps local tensors in with forward hooks, which a compiled block does not run
+        raise ConfigError("train.compile: not supported with train.parallel.tp > 1 yet; set train.compile = false")
+    if model.n_heads % par.tp:
+        raise ConfigError(f"train.parallel.tp: {par.tp} does not divide model.n_heads={model.n_heads}")
+    if model.kv_heads % par.tp:
+        raise ConfigError(f"train.parallel.tp: {par.tp} does not divide model.n_kv_heads={model.kv_heads}")
+    if par.cp > 1 and seq_len % (2 * par.cp):
+        raise ConfigError(
+            f"data.seq_len: {seq_len} is not divisible by 2 x train.parallel.cp = {2 * par.cp} "
+            "(context parallelism splits each sequence into 2 x cp chunks)"
+        )
+
+
+def data_parallel_size(train: TrainLayout, world_size: int) -> int:
+    """``dp`` for ``world_size`` processes: a one-line ``ConfigError`` unless dp x cp x tp = world_size."""
+    par = train.parallel
+    if world_size % par.model_parallel:
+        raise ConfigError(
+            f"train.parallel: dp x cp x tp must equal the world size {world_size}, but cp x tp = "
+            f"{par.cp} x {par.tp} = {par.model_parallel} does not divide it"
+        )
+    dp = world_size // par.model_parallel
+    if train.engine == "fsdp2":
+        replicate = train.options("fsdp2").replicate
+        if dp % replicate:
+            raise ConfigError(
+                f"train.fsdp2.replicate: {replicate} does not divide the data-parallel size {dp} "
+                f"(world {world_size} / cp {par.cp} / tp {par.tp})"
+            )
+    return dp

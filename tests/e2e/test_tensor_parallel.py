@@ -1,0 +1,87 @@
+"""Tensor parallelism (``train.parallel.tp``) against the single-process run, on CPU with gloo, in fp32.
+
+For every trainable attention variant (its distinct parameter sets, read from the registry as test_matrix.py
+does) on LLaMA blocks with GQA, full attention on a GPT-2 block (LayerNorm, biases, learned positions, a tied
+head split over the vocabulary, QK-norm): ``tp=2`` (2 processes) and ``dp=2 x tp=2`` (4 processes,
+FSDP2 over dp) runs of 10 steps give the single-process run's training loss and gradient norm at every step within 1e-5
+relative. One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The loader is indexed
+by the data-parallel rank, so each layout trains on the same global batches.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from model.attention import registry
+from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
+from tests.e2e.test_matrix import SHAPE, variant_cases
+from tests.e2e.test_train_cli import overrides
+
+TOL = 1e-5  # relative
+STEPS = 10
+# every case with GQA (2 KV heads, one per TP rank); full attention on a GPT-2 block instead (LayerNorm, biases,
+# learned positions, a tied head split over the vocabulary) with QK-norm: one run per case keeps the launches short.
+# Not QK-norm on Lazy: there its gradient norm moves by up to 1.6e-4 relative in ONE process between micro-batches
+# of 1 and 4 (the Elastic-Softmax threshold turns fp32 rounding into a different set of zero weights), above TOL.
+SHAPE_TP = {**SHAPE, "model.n_kv_heads": 2, "train.max_steps": STEPS, "eval.batch_size": 1}
+GPT2 = {
+    "model.family": "gpt2",
+    "model.bias": True,
+    "model.tie_embeddings": True,
+    "model.n_kv_heads": 0,
+    "model.qk_norm": True,
+}
+CASES = {label: options | (GPT2 if label == "full/default" else {}) for label, options in variant_cases().items()}
+LAYOUTS = {  # label -> (processes, overrides)
+    "single": (0, {}),
+    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+    "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+}
+_launches: dict[str, dict[str, str]] = {}
+SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
+
+
+def _run_dir(root: Path, layout: str, case: str) -> Path:
+    return root / layout / case.replace("/", "_")
+
+
+def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
+    """Every case under ``layout``, in one launch (memoised: the first test of a layout pays)."""
+    if layout not in _launches:
+        nproc, extra = LAYOUTS[layout]
+        runs = {  # eval.batch_size 1: the same 4 validation sequences on every layout
+            case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
+            for case, options in CASES.items()
+        }
+        _launches[layout] = run_sequence(nproc, runs, root / f"{layout}.status.json", timeout=1200)
+    return _launches[layout]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def summary(tmp_path_factory):
+    yield SUMMARY
+    if SUMMARY:
+        lines = ["| layout | case | worst relative loss | worst relative grad norm |", "|---|---|---|---|"]
+        lines += [f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} |" for (lay, case), w in SUMMARY.items()]
+        md = write_summary(tmp_path_factory, "tensor_parallel_summary.md", "\n".join(lines) + "\n")
+        print("\n" + "\n".join(lines) + f"\n(written to {md})")
+
+
+def test_the_cases_cover_every_trainable_variant_and_both_families():
+    assert {c.split("/")[0] for c in CASES} >= {k for k, e in registry.items() if e.cls.trainable}
+    assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
+
+
+@pytest.mark.parametrize(("layout", "case"), [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES])
+def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
+    status, reference = _launch(layout, root, cache_dir), _launch("single", root, cache_dir)
+    assert reference[case] == "ok", reference[case]
+    assert status[case] == "ok", status[case]
+    run, ref = train_rows(_run_dir(root, layout, case)), train_rows(_run_dir(root, "single", case))
+    assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
+    worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in ("loss", "grad_norm")}
+    SUMMARY[(layout, case)] = worst
+    for key in ("loss", "grad_norm"):
+        assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"

@@ -1,0 +1,69 @@
+"""Impossible ``[train.parallel]`` layouts stop before anything starts: one line each, exit code 2 (from the
+config alone, ``--dry-run`` included; the world size from ``WORLD_SIZE`` under torchrun or the launcher's
+``--nodes`` x processes). The mesh and the tensor-parallel runs themselves: tests/e2e/test_tensor_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import ConfigError
+from launch import submit
+from pretrain import train
+from run.config import load_run_config
+from run.parallel import data_parallel_size
+from tests.conftest import REPO
+
+TINY = REPO / "launch" / "configs" / "tiny.toml"
+FSDP2 = "train.engine=fsdp2"
+
+IMPOSSIBLE = {  # label -> (overrides, the one line's start)
+    "tp_heads": (
+        [FSDP2, "model.n_heads=4", "train.parallel.tp=3"],
+        "train.parallel.tp: 3 does not divide model.n_heads=4",
+    ),
+    "tp_kv_heads": (
+        [FSDP2, "model.n_heads=4", "model.n_kv_heads=2", "train.parallel.tp=4"],
+        "train.parallel.tp: 4 does not divide model.n_kv_heads=2",
+    ),
+    "cp_seq_len": ([FSDP2, "data.seq_len=250", "train.parallel.cp=4"], "data.seq_len: 250 is not divisible by 2 x"),
+    "ddp_tp": (["train.engine=ddp", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine that hosts"),
+    "deepspeed_tp": (["train.engine=deepspeed", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine"),
+    "single_cp": (["train.parallel.cp=2"], "train.parallel.cp: 2 needs an engine that hosts"),
+    "tp_compile": ([FSDP2, "train.parallel.tp=2", "train.compile=true"], "train.compile: not supported with train.par"),
+    "tp_zero": ([FSDP2, "train.parallel.tp=0"], "train.parallel.tp: must be >= 1"),
+}
+
+
+@pytest.mark.parametrize("label", IMPOSSIBLE)
+def test_impossible_layout_is_one_line_and_exit_2_under_dry_run(label, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sets, line = IMPOSSIBLE[label]
+    args = ["--config", str(TINY), "--dry-run"] + [x for s in sets for x in ("--set", s)]
+    assert train.main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {line}") and "\n" not in err, err
+
+
+def test_world_size_must_be_dp_x_cp_x_tp(capsys, monkeypatch):
+    cfg = load_run_config(TINY, [FSDP2, "train.parallel.tp=2", "train.fsdp2.replicate=2"])
+    assert data_parallel_size(cfg.train, 8) == 4
+    with pytest.raises(ConfigError, match=r"^train.parallel: dp x cp x tp must equal the world size 3"):
+        data_parallel_size(cfg.train, 3)
+    with pytest.raises(ConfigError, match=r"^train.fsdp2.replicate: 2 does not divide the data-parallel size 3"):
+        data_parallel_size(cfg.train, 6)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it: checked before any process group
+    assert train.main(["--config", str(TINY), "--dry-run", "--set", FSDP2, "--set", "train.parallel.tp=2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: train.parallel: dp x cp x tp must equal the world size 3") and "\n" not in err
+    monkeypatch.delenv("WORLD_SIZE")
+    launch = ["--config", str(TINY), "--set", FSDP2, "--set", "train.parallel.tp=2", "--nodes", "1", "--dry-run"]
+    assert submit.main([*launch, "--gpus-per-node", "3"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: train.parallel: dp x cp x tp must equal the world size 3")
+    assert submit.main([*launch, "--gpus-per-node", "4"]) == 0  # dp 2 x tp 2: the batch of 16 splits over dp
+
+
+def test_default_layout_is_data_parallel_only():
+    cfg = load_run_config(TINY, [])
+    assert (cfg.train.parallel.tp, cfg.train.parallel.cp) == (1, 1)
+    assert data_parallel_size(cfg.train, 5) == 5
+    assert "[train.parallel]" in cfg.to_toml()
