@@ -10,9 +10,14 @@ functional collective ``all_gather_single_autograd`` (its backward is ``reduce_s
 summed back onto the rank that holds the tokens; gloo and NCCL alike) and put back in global order. What a
 variant needs beyond them comes from its ``cp_context`` hook (gathered the same way). Each of the rank's two
 query chunks is one contiguous run of global positions [s, s + c), attended by the variant's ``cp_attend``
-against the keys [0, s + c): the chunked-prefill shape every variant already computes. Aux losses are means
-over query tokens, so each chunk's is weighted by 1 / (2 cp): summed over the CP ranks they give the whole
-sequence's.
+against the keys [0, s + c): the chunked-prefill shape every variant already computes.
+
+Losses. Each rank's token loss is a partial sum (its own targets); a variant's aux loss is a mean over query
+tokens, and a rank returns the mean over its own queries (the mean of its two chunks'), as a data-parallel rank
+does over its own batch. So the engines need nothing CP-specific beyond counting the CP ranks among the ranks
+gradients are averaged over (``grad_average_ranks`` = dp x cp, the LM loss normalised by the global target
+count): the average of the aux gradients over the CP ranks is the whole sequence's, and the averaged token-loss
+gradients times dp x cp are the global sum's.
 
 Nothing here reads a rank on its own: the caller hands a process group (or a 1-D DeviceMesh) over.
 """
@@ -104,19 +109,24 @@ def shard_batch(cp: ContextParallel, *tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(cp.shard(t, 1) for t in tensors)
 
 
-def check_context_parallel(kind: str, variant_cfg: Any, seq_len: int, cp: int, prefix: str = "") -> None:
-    """A layout error as one ``ConfigError`` line: ``seq_len`` must split into 2 cp chunks, each a multiple of
-    the variant's ``cp_chunk_multiple``, and the variant's configuration must have a CP form."""
+def check_context_parallel(kind: str, variant_cfg: Any, seq_len: int, cp: int) -> None:
+    """The CP layout checks of ``data.seq_len`` and the variant (``train.parallel.cp`` > 1), one ``ConfigError``
+    line each: the sequence must split into 2 cp chunks, each a multiple of the variant's ``cp_chunk_multiple``,
+    and the variant's configuration must have a CP form (``cp_unsupported``)."""
     if cp <= 1:
         return
     cls = registry[kind].cls
     reason = cls.cp_unsupported(variant_cfg)
     if reason:
-        raise ConfigError(f"{prefix}attention.kind: {kind!r} has no context parallelism here: {reason}")
-    multiple = 2 * cp * cls.cp_chunk_multiple(variant_cfg)
-    if seq_len % multiple:
-        why = f" (2 x cp, each chunk a multiple of {kind}'s {multiple // (2 * cp)})" if multiple > 2 * cp else ""
-        raise ConfigError(f"{prefix}seq_len: {seq_len} is not divisible by {multiple}{why} under cp={cp}")
+        raise ConfigError(f"model.attention.{kind}: no context parallelism (train.parallel.cp={cp}): {reason}")
+    per_chunk = cls.cp_chunk_multiple(variant_cfg)
+    if seq_len % (2 * cp * per_chunk):
+        rule = f"2 x train.parallel.cp = {2 * cp}"
+        if per_chunk > 1:
+            rule = (
+                f"{2 * cp * per_chunk} (2 x train.parallel.cp = {2 * cp} chunks of a multiple of {kind}'s {per_chunk})"
+            )
+        raise ConfigError(f"data.seq_len: {seq_len} is not divisible by {rule}")
 
 
 def context_parallel_attention(
@@ -160,7 +170,7 @@ def context_parallel_attention(
             out = core.cp_attend(qi, ki, vi, hidden=hidden[:, sl], q_pos=positions[sl], k_pos=k_pos, context=context)
         outs.append(out.output)
         if out.aux_loss is not None:
-            part = out.aux_loss / (2 * cp.size)
+            part = out.aux_loss / 2  # this rank's mean: averaged over the CP ranks, the sequence's
             aux = part if aux is None else aux + part
         for key, value in out.stats.items():  # this rank's chunks only: logged statistics, not exact over T
             stats[key] = stats.get(key, 0.0) + value / 2

@@ -105,13 +105,14 @@ def layer_case(case: Case, cp: ContextParallel) -> dict[str, float]:
         core, cp, *local[:3], hidden=local[3], positions=cp.positions(t // CP, "cpu"), documents=docs
     )
     aux_cp = out_cp.aux_loss if out_cp.aux_loss is not None else torch.zeros((), dtype=dtype)
-    loss_cp = (out_cp.output * share(w, 2)).sum() + aux_cp
+    # the engines average gradients over the CP ranks: each rank's aux counts 1 / cp of the summed objective
+    loss_cp = (out_cp.output * share(w, 2)).sum() + aux_cp / CP
     grads = torch.autograd.grad(loss_cp, local + params, allow_unused=True)
     errs = {"output": rel(out_cp.output, share(out.output.detach(), 2))}
     if out.aux_loss is not None:
         total = aux_cp.detach().clone()
         dist.all_reduce(total, group=cp.group)
-        errs["aux"] = rel(total, out.aux_loss.detach())
+        errs["aux"] = rel(total / CP, out.aux_loss.detach())  # each rank's is the mean over its own queries
     names = ["q", "k", "v", "hidden"]
     for i, (g, r) in enumerate(zip(grads[:4], ref_grads[:4], strict=True)):
         if r is None:  # hidden unused by this variant: CP must not use it either
@@ -143,27 +144,28 @@ def model_case(case: Case, group: Any) -> dict[str, float]:
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     n_global = targets.numel()
 
-    def loss_of(x: Tensor, y: Tensor) -> Tensor:
+    def loss_of(x: Tensor, y: Tensor, ranks: int) -> Tensor:
+        """What an engine averaging gradients over ``ranks`` ranks backpropagates (pretrain/engines/base.py)."""
         out = model(x, targets=y, return_logits=False)
         assert out.loss_sum is not None
-        return out.loss_sum / n_global + (out.aux_loss if out.aux_loss is not None else 0.0)
+        return out.loss_sum * (ranks / n_global) + (out.aux_loss if out.aux_loss is not None else 0.0)
 
-    ref = loss_of(inputs, targets)
+    ref = loss_of(inputs, targets, 1)
     ref.backward()
     ref_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
     cp = apply_context_parallel(model, group)
-    loss = loss_of(*shard_batch(cp, inputs, targets))
+    loss = loss_of(*shard_batch(cp, inputs, targets), CP)
     loss.backward()
     total = loss.detach().clone()
     dist.all_reduce(total, group=group)
-    errs = {"loss": rel(total, ref.detach())}
+    errs = {"loss": rel(total / CP, ref.detach())}
     for n, p in model.named_parameters():
         if n in ref_grads:
             assert p.grad is not None
             g = p.grad.clone()
-            dist.all_reduce(g, group=group)  # the data-parallel engines reduce over cp as well
-            errs[f"grad_{n}"] = rel(g, ref_grads[n])
+            dist.all_reduce(g, group=group)  # the data-parallel engines average over the CP ranks too
+            errs[f"grad_{n}"] = rel(g / CP, ref_grads[n])
     return errs
 
 
