@@ -15,7 +15,7 @@ from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, GpuPath, KVCache, VariantConfig, register_attention
 from model.attention.flex import flex_attention_fn, flex_supports
-from model.attention.sdpa import sdpa_varying
+from model.attention.sdpa import prefix_causal_attention, prefix_causal_supported, sdpa_varying
 from model.documents import document_mask
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -175,5 +175,7 @@ def sdpa_causal(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if tq == 1:  # decode: the one new query sees every cached key
         return sdpa_varying(q, k, v, scale=scale, enable_gqa=gqa)
+    if prefix_causal_supported(q):  # the CPU: no Tq x Tk mask (context-parallel chunks, chunked prefill)
+        return prefix_causal_attention(q, ref.expand_kv(k, q.shape[1]), ref.expand_kv(v, q.shape[1]), scale=scale)
     # chunked prefill onto a cache: SDPA's is_causal aligns top-left, so pass the mask
     return sdpa_varying(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=scale, enable_gqa=gqa)

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from core.errors import ConfigError
+from model.attention import reference as ref
 from model.attention import registry
 from model.attention.context_parallel import (
     ContextParallel,
@@ -28,6 +29,7 @@ from model.attention.context_parallel import (
     shard_batch,
     shard_sequence,
 )
+from model.attention.sdpa import prefix_causal_attention
 from model.config import ModelConfig
 from model.transformer import Transformer
 from tests.conftest import REPO
@@ -71,6 +73,22 @@ def test_layout_checks_name_the_field():
         check_context_parallel("dga", dga, 96, 2)
     with pytest.raises(ConfigError, match=r"^model\.attention\.dga: .*selection = 'sequence'"):
         check_context_parallel("dga", registry["dga"].config_cls(selection="sequence"), 256, 2)
+
+
+@pytest.mark.parametrize("tq", [16, 7, 1])
+def test_prefix_causal_kernel_equals_the_dense_reference(tq):
+    """Queries at the end of a longer key sequence on the CPU kernel (two parts merged by logsumexp), float64."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64, requires_grad=True) for n in (tq, 16, 16))
+    out = prefix_causal_attention(q, k, v, scale=0.3)
+    mask = torch.arange(16)[None, :] <= torch.arange(16 - tq, 16)[:, None]
+    expect = ref.weighted_values(ref.masked_softmax(ref.scores(q, k, 0.3), mask), v, q.dtype)
+    w = torch.randn(out.shape, generator=gen, dtype=torch.float64)
+    grads = torch.autograd.grad((out * w).sum(), (q, k, v))
+    expect_grads = torch.autograd.grad((expect * w).sum(), (q, k, v))
+    torch.testing.assert_close(out, expect, rtol=0, atol=1e-12)
+    for g, e in zip(grads, expect_grads, strict=True):
+        torch.testing.assert_close(g, e, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("kind", sorted(k for k, e in registry.items() if e.cls.trainable))
