@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -179,6 +180,20 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.core.set_train_progress(step, max_steps)
 
+    @contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """Inside, forwards take whole sequences on this rank, as without context parallelism (the fixed-batch
+        statistics, or evaluation that does not shard its batches); CP is restored on exit."""
+        cp, self.context_parallel = self.context_parallel, None
+        for block in self.blocks:
+            block.attn.context_parallel = None
+        try:
+            yield
+        finally:
+            self.context_parallel = cp
+            for block in self.blocks:
+                block.attn.context_parallel = cp
+
     @torch.no_grad()
     def reference_batch_stats(self, idx: Tensor) -> dict[str, Tensor]:
         """Statistics a variant measures on a fixed batch across log steps (Focus: assignment
@@ -191,7 +206,8 @@ class Transformer(nn.Module):
         for core in cores:
             core.reference_batch = True
         try:
-            return self(idx, return_logits=False).stats
+            with self.whole_sequences():  # the fixed batch is whole on every rank
+                return self(idx, return_logits=False).stats
         finally:
             for core in cores:
                 core.reference_batch = False

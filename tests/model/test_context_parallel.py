@@ -108,6 +108,9 @@ def test_one_rank_in_two_chunks_equals_the_plain_forward(kind):
     model.context_parallel = cp
     assert ref is not None
     torch.testing.assert_close(model(idx, targets=idx).loss_sum, ref, rtol=1e-6, atol=0)
+    with model.whole_sequences():
+        assert model.context_parallel is None and all(b.attn.context_parallel is None for b in model.blocks)
+    assert model.context_parallel is cp and all(b.attn.context_parallel is cp for b in model.blocks)
 
 
 @pytest.fixture(scope="module")
