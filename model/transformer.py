@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +14,7 @@ from torch import Tensor, nn
 
 from model.activation_checkpointing import checkpointed
 from model.attention import AttnOut, KVCache, LayerSpec, build_attention
+from model.attention.context_parallel import ContextParallel, context_parallel_attention
 from model.config import ModelConfig
 from model.documents import document_ids, document_positions
 from model.rope import RotaryEmbedding, apply_rope
@@ -58,6 +60,7 @@ class SelfAttention(nn.Module):
         self.k_norm = nn.RMSNorm(hd, eps=cfg.norm_eps) if cfg.qk_norm else None
         spec = LayerSpec(d, cfg.n_heads, cfg.kv_heads, hd, cfg.max_seq_len, layer_idx, cfg.n_layers)
         self.core = build_attention(cfg.attention.kind, cfg.attention.variant, spec, cfg.attention.impl)
+        self.context_parallel: ContextParallel | None = None  # set by apply_context_parallel
 
     def forward(
         self,
@@ -77,7 +80,12 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = self.core(q, k, v, hidden=x, positions=positions, cache=cache, documents=documents)
+        if self.context_parallel is not None and cache is None:
+            out = context_parallel_attention(
+                self.core, self.context_parallel, q, k, v, hidden=x, positions=positions, documents=documents
+            )
+        else:
+            out = self.core(q, k, v, hidden=x, positions=positions, cache=cache, documents=documents)
         out.output = self.wo(out.output.transpose(1, 2).reshape(b, t, -1))
         return out
 
@@ -137,6 +145,8 @@ class Transformer(nn.Module):
         self.document_eos_id: int | None = None
         # tensor parallelism splits the heads over this many ranks (set by the TP plan): a KV cache holds the local ones
         self.heads_split = 1
+        # context parallelism (apply_context_parallel): idx / targets hold this rank's share of each sequence
+        self.context_parallel: ContextParallel | None = None
         scalars = [name for name, p in self.named_parameters() if p.dim() == 0]
         if scalars:  # fully_shard refuses them at wrap time, on a cluster: say so when the model is built
             raise ValueError(
@@ -173,6 +183,20 @@ class Transformer(nn.Module):
         for block in self.blocks:
             block.attn.core.set_train_progress(step, max_steps)
 
+    @contextmanager
+    def whole_sequences(self) -> Iterator[None]:
+        """Inside, forwards take whole sequences on this rank, as without context parallelism (the fixed-batch
+        statistics, or evaluation that does not shard its batches); CP is restored on exit."""
+        cp, self.context_parallel = self.context_parallel, None
+        for block in self.blocks:
+            block.attn.context_parallel = None
+        try:
+            yield
+        finally:
+            self.context_parallel = cp
+            for block in self.blocks:
+                block.attn.context_parallel = cp
+
     @torch.no_grad()
     def reference_batch_stats(self, idx: Tensor) -> dict[str, Tensor]:
         """Statistics a variant measures on a fixed batch across log steps (Focus: assignment
@@ -185,7 +209,8 @@ class Transformer(nn.Module):
         for core in cores:
             core.reference_batch = True
         try:
-            return self(idx, return_logits=False).stats
+            with self.whole_sequences():  # the fixed batch is whole on every rank
+                return self(idx, return_logits=False).stats
         finally:
             for core in cores:
                 core.reference_batch = False
@@ -216,14 +241,21 @@ class Transformer(nn.Module):
         return_logits: bool = True,
     ) -> ModelOutput:
         b, t = idx.shape
+        cp = self.context_parallel if not caches else None
         start = caches[0].length if caches else 0
-        if self.pos_emb is not None and start + t > self.cfg.max_seq_len:
+        total = start + t if cp is None else t * cp.size
+        if self.pos_emb is not None and total > self.cfg.max_seq_len:
             raise ValueError(
-                f"sequence of {start + t} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)"
+                f"sequence of {total} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)"
             )
-        positions = torch.arange(start, start + t, device=idx.device)
+        positions = torch.arange(start, start + t, device=idx.device) if cp is None else cp.positions(t, idx.device)
         documents = document_ids(idx, self.document_eos_id) if self.document_eos_id is not None and not caches else None
         token_pos = document_positions(documents) if documents is not None else positions  # [B, T] or [T]
+        if cp is not None and documents is not None:
+            # documents and their positions are global: read off the whole sequence's tokens (ids only, no
+            # gradient); the attention layers get the whole [B, T] document ids, the embeddings this rank's share
+            documents = document_ids(cp.gather_no_grad(idx, 1), cast(int, self.document_eos_id))
+            token_pos = cp.shard(document_positions(documents), 1)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(token_pos)
@@ -334,6 +366,21 @@ def sample_next(
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def apply_context_parallel(model: Transformer, group: Any) -> ContextParallel:
+    """Switch a built model to context parallelism over ``group`` (a process group or a 1-D DeviceMesh): every
+    forward without a KV cache then takes this rank's share of each sequence (``shard_batch``), at global
+    positions, and every attention layer gathers over the group. Checks each layer's variant has a CP form."""
+    cp = ContextParallel.of(group)
+    for block in model.blocks:
+        core = block.attn.core
+        reason = type(core).cp_unsupported(core.cfg)
+        if reason:
+            raise ValueError(f"attention variant {core.name!r} has no context parallelism: {reason}")
+        block.attn.context_parallel = cp
+    model.context_parallel = cp
+    return cp
 
 
 def build_model(cfg: ModelConfig, *, device: torch.device | str = "cpu") -> Transformer:

@@ -191,6 +191,44 @@ class Attention(nn.Module):
             return self.fast(q, k, v, **kwargs)
         return self.reference(q, k, v, **kwargs)
 
+    # ---- context parallelism (model/attention/context_parallel.py) ---------------------
+    # Under CP a rank holds two chunks of the sequence; each chunk's queries (contiguous global positions
+    # q_pos) attend the gathered keys [0, q_pos[-1] + 1). The defaults suit a variant whose ``reference`` /
+    # ``fast`` already take queries at the end of a longer key sequence with no cache (full, lazy); a
+    # variant that reads other tokens' state (routing, statistics, compression) gathers it in ``cp_context``.
+    @classmethod
+    def cp_chunk_multiple(cls, cfg: Any) -> int:
+        """Each CP chunk's length (seq_len / (2 cp)) must be a multiple of this (DGA: its chunk size)."""
+        return 1
+
+    @classmethod
+    def cp_unsupported(cls, cfg: Any) -> str | None:
+        """Why this configuration has no CP form (one line naming the option), or None."""
+        return None
+
+    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
+        """What the queries need beyond K and V from the whole sequence, once per layer: built from this
+        rank's tensors and ``gather(x, dim)`` (autograd-aware: this rank's tokens -> the whole sequence in
+        global order). Passed to every ``cp_attend`` call of the layer. Default: nothing."""
+        return None
+
+    def cp_attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
+    ) -> AttnOut:
+        """One CP chunk: q [B, Hq, c, D] at global positions q_pos (contiguous), k/v the keys at k_pos = [0,
+        q_pos[-1] + 1), hidden the chunk's own [B, c, d_model]. Its aux loss must be a mean over the chunk's
+        queries. Default: the uncached dispatch of ``forward``."""
+        kwargs: dict[str, Any] = dict(hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=None)
+        if self.impl != "reference" and self.has_fast_path(q, None):
+            return self.fast(q, k, v, **kwargs)
+        return self.reference(q, k, v, **kwargs)
+
+    def cp_document_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, q_docs: Tensor, k_docs: Tensor
+    ) -> AttnOut:
+        """``document_attention`` for one CP chunk: q_docs [B, c] / k_docs [B, Tk] global document ids."""
+        raise NotImplementedError
+
     # ---- what a variant implements --------------------------------------------------
     def document_attention(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, documents: Tensor) -> AttnOut:
         """Causal attention within each document of a packed sequence (documents: [B, T])."""
@@ -224,6 +262,9 @@ class Attention(nn.Module):
 
         return {"forward": forward}
 
+
+# context parallelism's gather: (this rank's tensor, sequence dim) -> the whole sequence, autograd-aware
+CPGather = Callable[[Tensor, int], Tensor]
 
 # one GPU-path call: (q, k, v, hidden, positions) -> its output tensors
 GpuPath = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]]

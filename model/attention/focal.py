@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from core.errors import ConfigError, check_choice, check_min
-from model.attention.base import KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
+from model.attention.base import CPGather, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.full import FullAttention
 
 MODES = ("constant", "learned")
@@ -86,6 +87,24 @@ class FocalAttention(FullAttention):
         if self.cfg.mode == "constant":
             return 1.0 / (self.cfg.t * math.sqrt(self.spec.head_dim))
         return (1.0 / self.tau(hidden, q_pos, cache))[:, None, :, None]
+
+    # Under context parallelism the prefix and sequence means read every earlier token's x . w_tau: one scalar per
+    # token is gathered (cp_context); the per-query scope and the constant mode need nothing beyond K and V.
+    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
+        if self.w_tau is None or self.cfg.scope == "query":
+            return None
+        return gather(hidden.to(self.w_tau.dtype) @ self.w_tau, 1)  # [B, T] z of every token, global order
+
+    def cp_logit_scale(self, hidden: Tensor, q_pos: Tensor, context: Any) -> float | Tensor:
+        if context is None:
+            return self.logit_scale(hidden, q_pos, None)
+        csum = torch.cumsum(context, dim=1)
+        if self.cfg.scope == "prefix_mean":
+            z = csum[:, q_pos] / (q_pos + 1).to(csum.dtype)
+        else:
+            z = (csum[:, -1:] / csum.shape[1]).expand(-1, q_pos.numel())
+        tau = torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)
+        return (1.0 / tau)[:, None, :, None]
 
     def stats(self, scale: float | Tensor) -> dict[str, Tensor]:
         if isinstance(scale, Tensor):

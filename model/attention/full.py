@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +15,7 @@ from core.errors import ConfigError, check_choice
 from model.attention import reference as ref
 from model.attention.base import Attention, AttnOut, GpuPath, KVCache, VariantConfig, register_attention
 from model.attention.flex import flex_attention_fn, flex_supports
-from model.attention.sdpa import sdpa_varying
+from model.attention.sdpa import prefix_causal_attention, prefix_causal_supported, sdpa_varying
 from model.documents import document_mask
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -49,7 +50,11 @@ class FullAttention(Attention):
     def reference(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
-        scale = self.logit_scale(hidden, q_pos, cache)
+        return self.reference_scaled(q, k, v, self.logit_scale(hidden, q_pos, cache), q_pos=q_pos, k_pos=k_pos)
+
+    def reference_scaled(
+        self, q: Tensor, k: Tensor, v: Tensor, scale: float | Tensor, *, q_pos: Tensor, k_pos: Tensor
+    ) -> AttnOut:
         p = ref.masked_softmax(ref.scores(q, k, scale), ref.causal_mask(q_pos, k_pos))
         # the weights are materialised here anyway: sink ratio and density come free (the fast path skips them)
         stats = {**self.stats(scale), **ref.sink_and_density(p, k_pos)} if self.collect_stats else {}
@@ -61,7 +66,19 @@ class FullAttention(Attention):
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
-        scale = self.logit_scale(hidden, q_pos, cache)
+        return self.fast_scaled(q, k, v, self.logit_scale(hidden, q_pos, cache), q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def fast_scaled(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        scale: float | Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
         stats = self.stats(scale) if self.collect_stats else {}
         if isinstance(scale, Tensor):  # a per-query scale folds into q; the kernel then scales by 1
             q, scale = q * scale.to(q.dtype), 1.0
@@ -70,7 +87,32 @@ class FullAttention(Attention):
             stats=stats,
         )
 
+    def cp_logit_scale(self, hidden: Tensor, q_pos: Tensor, context: Any) -> float | Tensor:
+        """``logit_scale`` of one context-parallel chunk (``context``: what ``cp_context`` gathered)."""
+        return self.logit_scale(hidden, q_pos, None)
+
+    def cp_attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
+    ) -> AttnOut:
+        """Under context parallelism full attention gathers K and V only (Focal also its temperature inputs)."""
+        scale = self.cp_logit_scale(hidden, q_pos, context)
+        if self.impl != "reference":
+            return self.fast_scaled(q, k, v, scale, q_pos=q_pos, k_pos=k_pos, cache=None)
+        return self.reference_scaled(q, k, v, scale, q_pos=q_pos, k_pos=k_pos)
+
     supports_documents = True
+
+    def cp_document_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, q_docs: Tensor, k_docs: Tensor
+    ) -> AttnOut:
+        """One context-parallel chunk of ``document_attention``: causal by global position, same global document."""
+        scale = 1.0 / math.sqrt(self.spec.head_dim)
+        mask = (ref.causal_mask(q_pos, k_pos) & (q_docs[:, :, None] == k_docs[:, None, :]))[:, None]
+        if self.impl == "reference":
+            return AttnOut(ref.weighted_values(ref.masked_softmax(ref.scores(q, k, scale), mask), v, q.dtype))
+        return AttnOut(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+        )
 
     def document_attention(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, documents: Tensor) -> AttnOut:
         """Within-document causal attention: the dense masked reference, SDPA with the boolean
@@ -133,5 +175,7 @@ def sdpa_causal(
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if tq == 1:  # decode: the one new query sees every cached key
         return sdpa_varying(q, k, v, scale=scale, enable_gqa=gqa)
+    if prefix_causal_supported(q):  # the CPU: no Tq x Tk mask (context-parallel chunks, chunked prefill)
+        return prefix_causal_attention(q, ref.expand_kv(k, q.shape[1]), ref.expand_kv(v, q.shape[1]), scale=scale)
     # chunked prefill onto a cache: SDPA's is_causal aligns top-left, so pass the mask
     return sdpa_varying(q, k, v, attn_mask=ref.causal_mask(q_pos, k_pos), scale=scale, enable_gqa=gqa)

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 
 from model.attention import reference as ref
-from model.attention.base import AttnOut, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.base import AttnOut, CPGather, KVCache, LayerSpec, SuiteCase, register_attention
 from model.attention.dga.blockwise import KERNEL_DTYPES, CausalPlan, Plan, SequencePlan, parts_attention
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
@@ -245,9 +245,14 @@ class DynamicGroupAttention(GroupedKVCache):
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
         # a call with a cache never gets here: ``forward`` sends it to the grouped cache (``_cached``)
+        return self._reference(q, q, k, v, q_pos, k_pos)
+
+    def _reference(self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor) -> AttnOut:
+        """q: the queries at q_pos; q_keys: the queries at k_pos, which compression reads (importance samples and
+        each group's last query); the same tensor except under context parallelism."""
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
-        comp = self._compress_uncached(q, k, v, int(q_pos[-1]))[0]
+        comp = self._compress_uncached(q_keys, k, v, int(q_pos[-1]))[0]
         raw_mask, agg_mask = self.dense_masks(comp, q_pos, k_pos)
         b, h = q.shape[:2]
         keys = torch.cat([k, comp.agg_k.reshape(b, h, -1, k.shape[-1])], dim=2)
@@ -264,6 +269,32 @@ class DynamicGroupAttention(GroupedKVCache):
             return self._compress_causal(q, k, v, 0, self._needed_chunks(last_query_pos))
         return self._compress_sequence(q, k, v)
 
+    # ---- context parallelism ------------------------------------------------------------
+    # Compressing key chunk j reads the queries of chunks j and j + 1 (importance samples, each group's last
+    # query), which live on other ranks: under CP the queries are gathered too (Q, K and V: 3 tensors of the
+    # sequence per layer instead of 2), and each CP chunk holds whole DGA chunks (cp_chunk_multiple) so the
+    # chunk-aligned windows and fold points are the single-process ones.
+    @classmethod
+    def cp_chunk_multiple(cls, cfg: DGAConfig) -> int:
+        return cfg.chunk_size if cfg.selection == "causal" else 1
+
+    @classmethod
+    def cp_unsupported(cls, cfg: DGAConfig) -> str | None:
+        if cfg.selection == "sequence":
+            return "selection = 'sequence' chooses focal keys from the whole sequence (prefill only); use 'causal'"
+        return None
+
+    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Tensor:
+        return gather(q, 2)
+
+    def cp_attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Tensor
+    ) -> AttnOut:
+        q_keys = context[:, :, : k.shape[2]]
+        if self.impl == "reference":
+            return self._reference(q, q_keys, k, v, q_pos, k_pos)
+        return self._fast(q, q_keys, k, v, q_pos)
+
     # ---- fast: one softmax over the gathered keys --------------------------------------
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
         return True  # the gathered path is exact on every device; CUDA uses FlexAttention when available
@@ -271,9 +302,13 @@ class DynamicGroupAttention(GroupedKVCache):
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
+        return self._fast(q, q, k, v, q_pos)
+
+    def _fast(self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> AttnOut:
+        """``fast`` with the queries compression reads (``q_keys``, at the key positions) passed apart."""
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
-        comp, (ck, cv, avail) = self._compress_uncached(q, k, v, int(q_pos[-1]))
+        comp, (ck, cv, avail) = self._compress_uncached(q_keys, k, v, int(q_pos[-1]))
         if flex_supports(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})

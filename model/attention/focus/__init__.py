@@ -35,7 +35,16 @@ from torch import Tensor, nn
 
 from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
+from model.attention.base import (
+    Attention,
+    AttnOut,
+    CPGather,
+    KVCache,
+    LayerSpec,
+    SuiteCase,
+    VariantConfig,
+    register_attention,
+)
 from model.attention.flex import causal_block_mask, flex_attention_fn, flex_supports
 from model.attention.focus.hard import decode_host as host_decode
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
@@ -232,6 +241,20 @@ class FocusAttention(Attention):
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
         g_q, g_k = self.assignments(hidden, cache)
+        return self.reference_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def reference_assigned(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g_q: Tensor,
+        g_k: Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
         if self.cfg.mode == "soft":
             return self._out(self.soft_dense(q, k, v, g_q, g_k, q_pos, k_pos), g_q, g_k, q_pos, k_pos, cache)
         bits_q, bits_k = self._memberships(g_q, g_k, cache)
@@ -268,6 +291,20 @@ class FocusAttention(Attention):
             if host is not None:
                 return host
         g_q, g_k = self.assignments(hidden, cache)
+        return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def fast_assigned(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g_q: Tensor,
+        g_k: Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
             out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
@@ -276,6 +313,29 @@ class FocusAttention(Attention):
         else:
             out = self.soft_cpu(q, k, v, g_q, g_k, q_pos, k_pos)
         return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+
+    # ---- context parallelism ----------------------------------------------------------
+    # A token's assignment reads the group scores of every token before it (prefix Sinkhorn: the cumulative
+    # group masses; sequence scope: all tokens), and the gate reads every key's assignment. Under CP each rank
+    # gathers the per-token group scores [B, T, K] (K floats a token, next to K and V's 2 Hkv D) and runs the
+    # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
+    # scores goes back to the rank that owns the token through the gather's reduce-scatter.
+    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
+        s = gather(self.group_scores(hidden), 1)
+        cfg = self.cfg
+        if cfg.assignment == "softmax":
+            return torch.softmax(s, dim=-1)
+        if cfg.sinkhorn_scope == "prefix":
+            return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
+        return sinkhorn_sequence(s, cfg.sinkhorn_iters)
+
+    def cp_attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
+    ) -> AttnOut:
+        g_q, g_k = context[:, q_pos], context[:, : k.shape[2]]
+        if self.impl != "reference" and self.has_fast_path(q, None):
+            return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=None)
+        return self.reference_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=None)
 
     def soft_cpu(
         self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor
@@ -405,6 +465,8 @@ class FocusAttention(Attention):
         bits_q = membership_bits(g_q, self.cfg.top_k)
         if self.cfg.sinkhorn_scope == "sequence" and self.cfg.assignment == "sinkhorn":
             return bits_q, membership_bits(g_k, self.cfg.top_k)  # earlier keys were re-assigned
+        if cache is None and g_k is not g_q:  # context parallelism: the keys' assignments, gathered (cp_context)
+            return bits_q, membership_bits(g_k, self.cfg.top_k)
         if cache is not None and self.cfg.mode == "hard":  # per-group member positions, for decoding
             lists = cache.extra.get("focus_lists")
             if lists is None:
