@@ -44,7 +44,7 @@ def train(model: Transformer, seq_len: int, steps: int) -> tuple[list[float], in
             loss = out.loss_sum / out.n_tokens + (0.0 if out.aux_loss is None else out.aux_loss)
             loss.backward()
             opt.step()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
     return losses, mem.peak
 
 
