@@ -81,6 +81,10 @@ class FocalAttention(FullAttention):
                 z = csum / (q_pos + 1).to(z.dtype)
             else:  # the mean over every token of the sequence (so far, when decoding)
                 z = (csum[:, -1:] / (q_pos[-1] + 1).to(z.dtype)).expand_as(z)
+        return self.clipped(z)
+
+    def clipped(self, z: Tensor) -> Tensor:
+        """tau = clip(tau_offset + z, tau_min, tau_max) (eq. 6), for the whole-sequence and the CP paths."""
         return torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)
 
     def logit_scale(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> float | Tensor:
@@ -103,7 +107,7 @@ class FocalAttention(FullAttention):
             z = csum[:, q_pos] / (q_pos + 1).to(csum.dtype)
         else:
             z = (csum[:, -1:] / csum.shape[1]).expand(-1, q_pos.numel())
-        tau = torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)
+        tau = self.clipped(z)
         return (1.0 / tau)[:, None, :, None]
 
     def stats(self, scale: float | Tensor) -> dict[str, Tensor]:
