@@ -249,13 +249,16 @@ class Transformer(nn.Module):
                 f"sequence of {total} tokens exceeds model.max_seq_len={self.cfg.max_seq_len} (learned positions)"
             )
         positions = torch.arange(start, start + t, device=idx.device) if cp is None else cp.positions(t, idx.device)
-        documents = document_ids(idx, self.document_eos_id) if self.document_eos_id is not None and not caches else None
-        token_pos = document_positions(documents) if documents is not None else positions  # [B, T] or [T]
-        if cp is not None and documents is not None:
-            # documents and their positions are global: read off the whole sequence's tokens (ids only, no
-            # gradient); the attention layers get the whole [B, T] document ids, the embeddings this rank's share
-            documents = document_ids(cp.gather_no_grad(idx, 1), cast(int, self.document_eos_id))
-            token_pos = cp.shard(document_positions(documents), 1)
+        documents, token_pos = None, positions  # token_pos: [B, T] within documents, else [T]
+        if self.document_eos_id is not None and not caches:
+            if cp is None:
+                documents = document_ids(idx, self.document_eos_id)
+                token_pos = document_positions(documents)
+            else:
+                # documents and their positions are global: read off the whole sequence's tokens (ids only, no
+                # gradient); the attention layers get the whole [B, T] document ids, the embeddings this rank's share
+                documents = document_ids(cp.gather_no_grad(idx, 1), self.document_eos_id)
+                token_pos = cp.shard(document_positions(documents), 1)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
             x = x + self.pos_emb(token_pos)

@@ -186,10 +186,16 @@ class Attention(nn.Module):
             k_pos = cache.positions()
         else:
             k_pos = positions
-        kwargs: dict[str, Any] = dict(hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)
+        return self.dispatch(q, k, v, hidden=hidden, q_pos=positions, k_pos=k_pos, cache=cache)
+
+    def dispatch(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
+        """``fast`` where the variant has a fast path for this call (and impl is not "reference"), else
+        ``reference``."""
         if self.impl != "reference" and self.has_fast_path(q, cache):
-            return self.fast(q, k, v, **kwargs)
-        return self.reference(q, k, v, **kwargs)
+            return self.fast(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
+        return self.reference(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
 
     # ---- context parallelism (model/attention/context_parallel.py) ---------------------
     # Under CP a rank holds two chunks of the sequence; each chunk's queries (contiguous global positions
@@ -218,10 +224,7 @@ class Attention(nn.Module):
         """One CP chunk: q [B, Hq, c, D] at global positions q_pos (contiguous), k/v the keys at k_pos = [0,
         q_pos[-1] + 1), hidden the chunk's own [B, c, d_model]. Its aux loss must be a mean over the chunk's
         queries. Default: the uncached dispatch of ``forward``."""
-        kwargs: dict[str, Any] = dict(hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=None)
-        if self.impl != "reference" and self.has_fast_path(q, None):
-            return self.fast(q, k, v, **kwargs)
-        return self.reference(q, k, v, **kwargs)
+        return self.dispatch(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=None)
 
     def cp_document_attention(
         self, q: Tensor, k: Tensor, v: Tensor, *, q_pos: Tensor, k_pos: Tensor, q_docs: Tensor, k_docs: Tensor

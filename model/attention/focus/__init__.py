@@ -199,6 +199,9 @@ class FocusAttention(Attention):
         """(g of the new tokens [B, Tq, K], g of every key [B, Tk, K]), caching what decoding needs."""
         host_decode.flush(cache)  # the tensors hold every token's state from here on
         s = self.group_scores(hidden, cache)
+        if cache is None:
+            g = self.assign_whole(s)
+            return g, g
         cfg = self.cfg
         if cfg.assignment == "softmax" or cfg.sinkhorn_scope == "prefix":
             if cfg.assignment == "softmax":
@@ -212,6 +215,15 @@ class FocusAttention(Attention):
         s_all = self._cached(cache, "focus_scores", s)
         g_all = sinkhorn_sequence(s_all, cfg.sinkhorn_iters)
         return g_all[:, -s.shape[1] :], g_all
+
+    def assign_whole(self, s: Tensor) -> Tensor:
+        """g [B, T, K] of every token of a whole sequence (no cache) from its group scores s [B, T, K]."""
+        cfg = self.cfg
+        if cfg.assignment == "softmax":
+            return torch.softmax(s, dim=-1)
+        if cfg.sinkhorn_scope == "prefix":
+            return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
+        return sinkhorn_sequence(s, cfg.sinkhorn_iters)
 
     @staticmethod
     def _cached(cache: KVCache | None, key: str, new: Tensor) -> Tensor:
@@ -321,13 +333,7 @@ class FocusAttention(Attention):
     # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
     # scores goes back to the rank that owns the token through the gather's reduce-scatter.
     def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
-        s = gather(self.group_scores(hidden), 1)
-        cfg = self.cfg
-        if cfg.assignment == "softmax":
-            return torch.softmax(s, dim=-1)
-        if cfg.sinkhorn_scope == "prefix":
-            return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
-        return sinkhorn_sequence(s, cfg.sinkhorn_iters)
+        return self.assign_whole(gather(self.group_scores(hidden), 1))
 
     def cp_attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
