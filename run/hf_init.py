@@ -38,16 +38,11 @@ def hf_source(init_from: str) -> Path | None:
     return Path(path).expanduser()
 
 
-def model_dict(cfg: ModelConfig) -> dict[str, Any]:
-    """A ModelConfig as its ``[model]`` table (every key, resolved)."""
-    return configlib.to_dict(cfg)
-
-
 def merged_model_table(table: dict[str, Any], imported: ModelConfig) -> dict[str, Any]:
     """The run config's raw ``[model]`` table -> the source's shape with the table's own choices
     (``KEPT_MODEL_KEYS``) on top. ``table`` is the TOML as written (plus ``--set``): a key it leaves out is
     not a choice, so a table without ``attention`` keeps the source's variant."""
-    merged = model_dict(imported)
+    merged = configlib.to_dict(imported)  # every key, resolved
     merged["preset"] = ""  # the shape is the source's, whatever preset the config named
     for key in KEPT_MODEL_KEYS:
         if key in table:

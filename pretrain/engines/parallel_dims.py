@@ -46,10 +46,6 @@ class ParallelDims:
         return cls(replicate, dp // replicate, cfg.parallel.cp, cfg.parallel.tp)
 
     @property
-    def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.cp * self.tp
-
-    @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
@@ -87,11 +83,6 @@ class ParallelDims:
     def cp_mesh(self) -> DeviceMesh | None:
         """The context-parallel sub-mesh (the ranks that split one sequence); None when cp = 1."""
         return self._built()["cp"] if self.cp > 1 else None
-
-    def cp_group(self) -> dist.ProcessGroup | None:
-        """The context-parallel process group (K/V all-gathers run on it); None when cp = 1."""
-        mesh = self.cp_mesh()
-        return mesh.get_group() if mesh is not None else None
 
     def data_rank(self) -> int:
         """This rank's index among the data-parallel replicas (the loader's rank)."""
