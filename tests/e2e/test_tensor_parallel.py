@@ -1,19 +1,24 @@
-"""Tensor parallelism (``train.parallel.tp``) against the single-process run, on CPU with gloo, in fp32.
+"""Tensor and context parallelism (``train.parallel.tp`` / ``cp``) against the single-process run, on CPU with gloo,
+in fp32.
 
 For every trainable attention variant (its distinct parameter sets, read from the registry as test_matrix.py
 does) on LLaMA blocks with GQA, full attention on a GPT-2 block (LayerNorm, biases, learned positions, a tied
-head split over the vocabulary, QK-norm): ``tp=2`` (2 processes) and ``dp=2 x tp=2`` (4 processes,
-FSDP2 over dp) runs of 10 steps give the single-process run's training loss and gradient norm at every step within 1e-5
-relative. One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The loader is indexed
-by the data-parallel rank, so each layout trains on the same global batches.
+head split over the vocabulary, QK-norm): ``tp=2`` and ``cp=2`` (2 processes), ``dp=2 x tp=2`` and ``dp=2 x cp=2``
+(4 processes, FSDP2 over dp, and over dp x cp) runs of 10 steps give the single-process run's training loss and
+gradient norm at every step within 1e-5 relative; so does full attention with document masking (GPT-2's learned
+and LLaMA's rotary positions restarting per document) under ``cp=2``. One launch per layout runs every case in
+sequence (tests/e2e/run_sequence.py). The loader is indexed by the data-parallel rank, so each layout trains on
+the same global batches; the CP ranks of a replica split each sequence.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
+from data.embedded import iter_embedded
 from model.attention import registry
 from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_matrix import SHAPE, variant_cases
@@ -34,11 +39,20 @@ GPT2 = {
     "model.qk_norm": True,
 }
 CASES = {label: options | (GPT2 if label == "full/default" else {}) for label, options in variant_cases().items()}
+# document masking (full attention only; positions and document ids stay global under CP), on short documents (the
+# speeches of the embedded corpus's first play: most 32-token windows hold several; its plays are whole documents)
+DOCUMENTS = {
+    "full/documents-gpt2": CASES["full/default"] | {"data.document_masking": True},
+    "full/documents-llama": {"model.attention.kind": "full", "data.document_masking": True},
+}
 LAYOUTS = {  # label -> (processes, overrides)
     "single": (0, {}),
     "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
     "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+    "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
+    "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
 }
+WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
@@ -47,13 +61,29 @@ def _run_dir(root: Path, layout: str, case: str) -> Path:
     return root / layout / case.replace("/", "_")
 
 
+def _speeches(root: Path) -> Path:
+    """A local jsonl corpus of short documents (written once per module)."""
+    path = root / "speeches.jsonl"
+    if not path.is_file():
+        play = next(iter_embedded())
+        speeches = [p.strip() for p in play.text.split("\n\n") if len(p.strip()) > 40]
+        path.write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches))
+    return path
+
+
 def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
     """Every case under ``layout``, in one launch (memoised: the first test of a layout pays)."""
     if layout not in _launches:
         nproc, extra = LAYOUTS[layout]
+        cases = dict(CASES)
+        if layout in WITH_DOCUMENTS:
+            local = {"data.source": "local", "data.path": str(_speeches(root))}
+            cases |= {case: options | local for case, options in DOCUMENTS.items()}
+        if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
+            cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
         runs = {  # eval.batch_size 1: the same 4 validation sequences on every layout
             case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
-            for case, options in CASES.items()
+            for case, options in cases.items()
         }
         _launches[layout] = run_sequence(nproc, runs, root / f"{layout}.status.json", timeout=1200)
     return _launches[layout]
@@ -74,7 +104,18 @@ def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
 
 
-@pytest.mark.parametrize(("layout", "case"), [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES])
+def test_document_masking_is_not_a_no_op(root, cache_dir):
+    """The windows hold several documents: the masked run's first loss differs from the same corpus unmasked."""
+    status = _launch("single", root, cache_dir)
+    assert status["full/documents-gpt2"] == status["full/unmasked-gpt2"] == "ok", status
+    masked, plain = (train_rows(_run_dir(root, "single", c)) for c in ("full/documents-gpt2", "full/unmasked-gpt2"))
+    assert abs(plain[1]["loss"] - masked[1]["loss"]) > 1e-4
+
+
+LAYOUT_CASES = [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES] + [("cp2", c) for c in DOCUMENTS]
+
+
+@pytest.mark.parametrize(("layout", "case"), LAYOUT_CASES)
 def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
     status, reference = _launch(layout, root, cache_dir), _launch("single", root, cache_dir)
     assert reference[case] == "ok", reference[case]
