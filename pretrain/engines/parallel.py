@@ -169,19 +169,26 @@ class DataParallelEngine(Engine):
         torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from run.safe_load import dcp_load, torch_load
-
         check_written_by(directory, DCP_DIR, "a DCP engine (ddp / fsdp2)")
-        model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        restore = _saved_scalars_as_views(state, directory / DCP_DIR)
-        dcp_load(state, directory / DCP_DIR)  # torch's reader unpickles .metadata unchecked; this one does not
-        for container, key, tensor in restore:
-            container[key] = tensor
-        set_state_dict(self.wrapped, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
+        read_dcp_state(self.wrapped, self.optimizer, self.scheduler, directory)
+
+
+def read_dcp_state(model: nn.Module, optimizer: Any, scheduler: Any, directory: Path, *, no_dist: bool = False) -> None:
+    """Model, optimizer and schedule from a DCP checkpoint ``directory`` (written by ddp / fsdp2 on any layout: DCP
+    reshards onto this one). ``no_dist``: one process without a process group (the single engine)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from run.safe_load import dcp_load, torch_load
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    restore = _saved_scalars_as_views(state, directory / DCP_DIR)
+    # torch's reader unpickles .metadata unchecked; this one does not
+    dcp_load(state, directory / DCP_DIR, no_dist=no_dist)
+    for container, key, tensor in restore:
+        container[key] = tensor
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
 
 
 def _saved_scalars_as_views(state: dict[str, Any], dcp_dir: Path) -> list[tuple[dict, str, Tensor]]:
