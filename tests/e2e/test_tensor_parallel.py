@@ -14,12 +14,14 @@ the same global batches; the CP ranks of a replica split each sequence.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from data.embedded import iter_embedded
 from model.attention import registry
+from pretrain.resume_config import HISTORY_PREFIX
 from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_matrix import SHAPE, variant_cases
 from tests.e2e.test_train_cli import overrides
@@ -53,6 +55,11 @@ LAYOUTS = {  # label -> (processes, overrides)
     "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
 }
 WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
+# a cp=2 run stopped at step 5 (in the cp2 launch) resumes under another layout (DCP reshards); Focus: centroids, a
+# learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
+RESUME_CASES = ("focus/soft-prefix", "full/default")
+RESUME_AT = 5
+RESUME_AS = {"tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}), "single": (0, {})}
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
@@ -81,6 +88,9 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
             cases |= {case: options | local for case, options in DOCUMENTS.items()}
         if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
             cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
+        if layout == "cp2":
+            stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
+            cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
         runs = {  # eval.batch_size 1: the same 4 validation sequences on every layout
             case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
             for case, options in cases.items()
@@ -126,3 +136,29 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
     SUMMARY[(layout, case)] = worst
     for key in ("loss", "grad_norm"):
         assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
+
+
+@pytest.mark.parametrize("target", RESUME_AS)
+def test_a_cp2_run_resumes_under_another_layout(target, root, cache_dir):
+    """Stopped at step 5 under cp=2, resumed as tp=2 and as one process: steps 6-10 are the single-process run's."""
+    status, reference = _launch("cp2", root, cache_dir), _launch("single", root, cache_dir)
+    nproc, extra = RESUME_AS[target]
+    extra = extra | {"checkpoint.every": RESUME_AT}
+    runs = {}
+    for case in RESUME_CASES:
+        assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
+        run_dir = _run_dir(root, f"resume_{target}", case)
+        shutil.copytree(_run_dir(root, "cp2", f"stopped/{case}"), run_dir)
+        runs[case] = overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra})
+    resumed = run_sequence(nproc, runs, root / f"resume_{target}.status.json", timeout=600)
+    for case in RESUME_CASES:
+        assert reference[case] == "ok" and resumed[case] == "ok", (reference[case], resumed[case])
+        run_dir = _run_dir(root, f"resume_{target}", case)
+        assert f"{HISTORY_PREFIX}{RESUME_AT}: train.parallel.cp: 2 -> 1" in (run_dir / "config.toml").read_text()
+        run, ref = train_rows(run_dir), train_rows(_run_dir(root, "single", case))
+        assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
+        keys = ("loss", "grad_norm")
+        worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in keys}
+        SUMMARY[(f"cp2 -> {target} at step {RESUME_AT}", case)] = worst
+        for key in keys:
+            assert worst[key] <= TOL, f"{case} {key}: worst relative difference {worst[key]:.3g} against one process"
