@@ -65,7 +65,8 @@ def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
         raise ConfigError(f"train.parallel.tp: {par.tp} does not divide model.n_kv_heads={model.kv_heads}")
     if par.cp > 1:
         if train.compile:
-            # a compiled block around the per-layer K/V all-gather (a functional collective) is not verified yet
+            # compiled blocks around the per-layer K/V all-gather matched one process for full and Focus, but DGA's
+            # compiled cp=2 run had not logged a step after 8 minutes: not verified for every variant yet
             raise ConfigError("train.compile: not supported with train.parallel.cp > 1 yet; set train.compile = false")
         from model.attention.context_parallel import check_context_parallel  # torch: only for a CP layout
 
