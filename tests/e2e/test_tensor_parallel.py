@@ -22,7 +22,7 @@ import pytest
 from data.embedded import iter_embedded
 from model.attention import registry
 from pretrain.resume_config import HISTORY_PREFIX
-from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
+from tests.e2e.helpers import all_losses, run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_matrix import SHAPE, variant_cases
 from tests.e2e.test_train_cli import overrides
 
@@ -47,11 +47,13 @@ DOCUMENTS = {
     "full/documents-gpt2": CASES["full/default"] | {"data.document_masking": True},
     "full/documents-llama": {"model.attention.kind": "full", "data.document_masking": True},
 }
+# the validation set is the first eval.batch_size x dp x eval.batches sequences: 2 on every layout
+VAL_DP1 = {"eval.batches": 2}
 LAYOUTS = {  # label -> (processes, overrides)
-    "single": (0, {}),
-    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+    "single": (0, VAL_DP1),
+    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2, **VAL_DP1}),
     "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
-    "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
+    "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2, **VAL_DP1}),
     "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
 }
 WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
@@ -91,7 +93,7 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
         if layout == "cp2":
             stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
             cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
-        runs = {  # eval.batch_size 1: the same 4 validation sequences on every layout
+        runs = {  # eval.batch_size 1: the same 2 validation sequences on every layout
             case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
             for case, options in cases.items()
         }
@@ -103,8 +105,11 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
 def summary(tmp_path_factory):
     yield SUMMARY
     if SUMMARY:
-        lines = ["| layout | case | worst relative loss | worst relative grad norm |", "|---|---|---|---|"]
-        lines += [f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} |" for (lay, case), w in SUMMARY.items()]
+        lines = ["| layout | case | worst relative loss | grad norm | final val loss |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} | {w.get('val_loss', float('nan')):.1e} |"
+            for (lay, case), w in SUMMARY.items()
+        ]
         md = write_summary(tmp_path_factory, "tensor_parallel_summary.md", "\n".join(lines) + "\n")
         print("\n" + "\n".join(lines) + f"\n(written to {md})")
 
@@ -133,8 +138,11 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
     run, ref = train_rows(_run_dir(root, layout, case)), train_rows(_run_dir(root, "single", case))
     assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
     worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in ("loss", "grad_norm")}
+    # the final validation (the same 2 sequences on every layout; CP ranks score their chunks of them)
+    val, val_ref = (all_losses(_run_dir(root, lay, case))[(STEPS, "val_loss")] for lay in (layout, "single"))
+    worst["val_loss"] = abs(val - val_ref) / abs(val_ref)
     SUMMARY[(layout, case)] = worst
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "val_loss"):
         assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
 
 
