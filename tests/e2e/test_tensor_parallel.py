@@ -57,6 +57,11 @@ LAYOUTS = {  # label -> (processes, overrides)
     "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
 }
 WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
+# tp=2 x cp=2 (4 processes, dp=1) rides in the dp2_cp2 launch (each run builds its own mesh), for two variants
+# with their own parameters (the TP local-tensor swap must cover the CP path): Focus (replicated, read while
+# gathering the routing scores) and Lazy (split with the heads); every variant passed once (docs/parallel.md)
+HOSTED = {"tp2_cp2": ("dp2_cp2", {"train.parallel.tp": 2, **VAL_DP1})}
+HOSTED_CASES = ("focus/soft-prefix", "lazy/default")
 # a cp=2 run stopped at step 5 (in the cp2 launch) resumes under another layout (DCP reshards); Focus: centroids, a
 # learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
 RESUME_CASES = ("focus/soft-prefix", "full/default")
@@ -90,6 +95,9 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
             cases |= {case: options | local for case, options in DOCUMENTS.items()}
         if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
             cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
+        for label, (host, more) in HOSTED.items():
+            if host == layout:
+                cases |= {f"{label}/{case}": CASES[case] | more for case in HOSTED_CASES}
         if layout == "cp2":
             stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
             cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
@@ -127,19 +135,25 @@ def test_document_masking_is_not_a_no_op(root, cache_dir):
     assert abs(plain[1]["loss"] - masked[1]["loss"]) > 1e-4
 
 
-LAYOUT_CASES = [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES] + [("cp2", c) for c in DOCUMENTS]
+LAYOUT_CASES = (
+    [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES]
+    + [("cp2", c) for c in DOCUMENTS]
+    + [(lay, c) for lay in HOSTED for c in HOSTED_CASES]
+)
 
 
 @pytest.mark.parametrize(("layout", "case"), LAYOUT_CASES)
 def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
-    status, reference = _launch(layout, root, cache_dir), _launch("single", root, cache_dir)
+    launch, name = (HOSTED[layout][0], f"{layout}/{case}") if layout in HOSTED else (layout, case)
+    status, reference = _launch(launch, root, cache_dir), _launch("single", root, cache_dir)
     assert reference[case] == "ok", reference[case]
-    assert status[case] == "ok", status[case]
-    run, ref = train_rows(_run_dir(root, layout, case)), train_rows(_run_dir(root, "single", case))
+    assert status[name] == "ok", status[name]
+    run_dir, ref_dir = _run_dir(root, launch, name), _run_dir(root, "single", case)
+    run, ref = train_rows(run_dir), train_rows(ref_dir)
     assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
     worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in ("loss", "grad_norm")}
     # the final validation (the same 2 sequences on every layout; CP ranks score their chunks of them)
-    val, val_ref = (all_losses(_run_dir(root, lay, case))[(STEPS, "val_loss")] for lay in (layout, "single"))
+    val, val_ref = (all_losses(d)[(STEPS, "val_loss")] for d in (run_dir, ref_dir))
     worst["val_loss"] = abs(val - val_ref) / abs(val_ref)
     SUMMARY[(layout, case)] = worst
     for key in ("loss", "grad_norm", "val_loss"):
