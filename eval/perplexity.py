@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -21,16 +21,21 @@ def mean_loss(
     *,
     device: torch.device,
     autocast: contextlib.AbstractContextManager | None = None,
+    split: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
 ) -> tuple[float, int]:
-    """Mean next-token cross-entropy (nats) over every target of ``batches`` ([B, T+1] each), and the token count."""
+    """Mean next-token cross-entropy (nats) over every target of ``batches`` ([B, T+1] each), and the token count.
+    ``split(inputs, targets)``: this rank's share of each batch (a context-parallel rank's chunks); the mean and
+    count are then this rank's."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     try:
         for batch in batches:
-            batch = batch.to(device)
+            inputs, targets = batch[:, :-1], batch[:, 1:]
+            if split is not None:
+                inputs, targets = split(inputs, targets)
             with autocast or contextlib.nullcontext():
-                out = model(batch[:, :-1], targets=batch[:, 1:], return_logits=False)
+                out = model(inputs.to(device), targets=targets.to(device), return_logits=False)
             total += float(out.loss_sum)
             count += out.n_tokens
     finally:

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from model.activation_checkpointing import checkpointed
 from model.attention import AttnOut, KVCache, LayerSpec, build_attention
-from model.attention.context_parallel import ContextParallel, context_parallel_attention
+from model.attention.context_parallel import ContextParallel
 from model.config import ModelConfig
 from model.documents import document_ids, document_positions
 from model.rope import RotaryEmbedding, apply_rope
@@ -80,12 +80,10 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if self.context_parallel is not None and cache is None:
-            out = context_parallel_attention(
-                self.core, self.context_parallel, q, k, v, hidden=x, positions=positions, documents=documents
-            )
-        else:
-            out = self.core(q, k, v, hidden=x, positions=positions, cache=cache, documents=documents)
+        # under CP the core runs context_parallel_attention (through its module call: hooks on the core, such as
+        # tensor parallelism's local-tensor swap, see the CP path too); a KV cache (generation) ignores CP
+        cp = self.context_parallel if cache is None else None
+        out = self.core(q, k, v, hidden=x, positions=positions, cache=cache, documents=documents, context_parallel=cp)
         out.output = self.wo(out.output.transpose(1, 2).reshape(b, t, -1))
         return out
 

@@ -395,7 +395,13 @@ class Trainer:
             rank=self.engine.data_rank,
             world_size=self.engine.data_world_size,
         )
-        local, count = mean_loss(self.engine.model, batches, device=self.device, autocast=self.engine.autocast())
+        local, count = mean_loss(
+            self.engine.model,
+            batches,
+            device=self.device,
+            autocast=self.engine.autocast(),
+            split=self.engine.local_batch,  # under CP each rank scores its chunks; the sums add over dp x cp
+        )
         sums = self.engine.all_reduce_data_sum(
             torch.tensor([local * count, float(count)], dtype=torch.float64, device=self.device)
         )
@@ -420,7 +426,7 @@ class Trainer:
             rank=self.engine.rank,
             world_size=self.engine.world_size,
         )
-        with self.engine.autocast():
+        with self.engine.autocast(), self.model.whole_sequences():  # the harness's batches are not CP-sharded
             results = evaluate(lm, ev.tasks, limit=ev.limit or None, data_dir=ev.data_dir or None)
         flat = flatten_for_metrics(results)
         if flat:
@@ -436,7 +442,9 @@ class Trainer:
         self.model.set_train_progress(self.step, self.cfg.train.max_steps)
         self._apply_trainable()
         micro = self.loader.next_step()
-        n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro)
+        # this rank's targets: every CP rank of a replica loads the same windows and keeps 1 / cp of each (summed
+        # over dp x cp, each target counts once)
+        n_local = sum(mb.shape[0] * (mb.shape[1] - 1) for mb in micro) // self.engine.cp_size
         n_global = int(self.engine.all_reduce_data_sum(torch.tensor(float(n_local), device=self.device)))
         lr = self.engine.lr
         loss_sum = torch.zeros((), device=self.device)

@@ -37,6 +37,7 @@ _KEYS = {
     "train.activation_checkpointing": LAUNCH,
     "train.micro_batch_size": LAUNCH,
     "train.fsdp2.replicate": LAUNCH,
+    "train.parallel": LAUNCH,  # tp / cp: the layout; DCP reshards the state onto another
     "train.deepspeed.zero_stage": LAUNCH,
     "train.deepspeed.config": LAUNCH,
 }

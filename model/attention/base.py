@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -168,10 +168,15 @@ class Attention(nn.Module):
         positions: Tensor,
         cache: KVCache | None = None,
         documents: Tensor | None = None,
+        context_parallel: CPRunner | None = None,
     ) -> AttnOut:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute
         positions of the T tokens. documents: [B, T] document index per token (document-aware
-        masking; model/documents.py)."""
+        masking; model/documents.py). context_parallel: this rank holds its CP chunks of the sequence
+        (positions global; documents then the WHOLE sequence's [B, T] ids); run through the module call so that
+        hooks on the core (tensor parallelism's local-tensor swap) see the CP path too."""
+        if context_parallel is not None and cache is None:
+            return context_parallel.attend(self, q, k, v, hidden=hidden, positions=positions, documents=documents)
         if documents is not None:
             if cache is not None:
                 raise ValueError("document masking applies to whole-sequence forwards, not to cached decoding")
@@ -268,6 +273,24 @@ class Attention(nn.Module):
 
 # context parallelism's gather: (this rank's tensor, sequence dim) -> the whole sequence, autograd-aware
 CPGather = Callable[[Tensor, int], Tensor]
+
+
+class CPRunner(Protocol):
+    """What ``Attention.forward`` calls under context parallelism: ``model.attention.context_parallel.ContextParallel``
+    (named structurally: that module imports this one)."""
+
+    def attend(
+        self,
+        core: Attention,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor,
+        positions: Tensor,
+        documents: Tensor | None = None,
+    ) -> AttnOut: ...
+
 
 # one GPU-path call: (q, k, v, hidden, positions) -> its output tensors
 GpuPath = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], tuple[Tensor, ...]]

@@ -76,6 +76,20 @@ class ContextParallel:
         gathered = all_gather_single_autograd(x.contiguous(), dim, self.group)  # rank-ordered along dim
         return restore_sequence(list(gathered.chunk(self.size, dim)), dim)
 
+    def attend(
+        self,
+        core: Attention,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor,
+        positions: Tensor,
+        documents: Tensor | None = None,
+    ) -> AttnOut:
+        """``core``'s attention under this layout (``context_parallel_attention``); ``Attention.forward`` calls it."""
+        return context_parallel_attention(core, self, q, k, v, hidden=hidden, positions=positions, documents=documents)
+
     def gather_no_grad(self, x: Tensor, dim: int) -> Tensor:
         """``gather`` for tensors without a gradient (token ids, document ids)."""
         if self.size == 1:

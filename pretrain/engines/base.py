@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from core.device import autocast_dtype
+from model.attention.context_parallel import ContextParallel, shard_batch
 from model.transformer import Transformer
 from pretrain.optim import build_optimizer, build_scheduler
 
@@ -57,6 +58,9 @@ class Engine:
     # tensor-parallel degree: a variant's aux loss is computed alike on every TP rank and its gradients summed
     # over them, so each rank adds 1 / tp of it
     tp_size = 1
+    # context parallelism: this rank's CP group (set by ``parallelize``); None = every rank takes whole sequences.
+    # Every CP rank of a replica loads the same windows and keeps its chunks of them (``local_batch``).
+    context_parallel: ContextParallel | None = None
 
     def __init__(self, model: Transformer, cfg: TrainConfig, device: torch.device):
         """The one set-up every engine goes through; engines change it by overriding the hooks below."""
@@ -105,11 +109,26 @@ class Engine:
         """Skip gradient synchronisation on all but the last micro-batch (data-parallel engines)."""
         return contextlib.nullcontext()
 
+    @property
+    def cp_size(self) -> int:
+        """The context-parallel degree: a micro-batch's targets are split over this many ranks."""
+        return 1 if self.context_parallel is None else self.context_parallel.size
+
+    def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's share of a micro-batch's [B, T] inputs and targets: all of it, or under context parallelism
+        the CP rank's two chunks of every sequence (the model derives their global positions itself)."""
+        if self.context_parallel is None:
+            return inputs, targets
+        inputs, targets = shard_batch(self.context_parallel, inputs, targets)
+        return inputs, targets
+
     def micro_step(
         self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool
     ) -> MicroStepOut:
         """Forward + backward of one micro-batch. The LM loss is ``loss_sum * loss_scale``
-        (1 / global target tokens of the step), so accumulation equals one large batch."""
+        (1 / global target tokens of the step), so accumulation equals one large batch. ``inputs`` and ``targets``
+        are the whole windows; under context parallelism this rank keeps its chunks (``local_batch``)."""
+        inputs, targets = self.local_batch(inputs, targets)
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         with self.no_sync(sync):
             with self.autocast():

@@ -169,19 +169,26 @@ class DataParallelEngine(Engine):
         torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from run.safe_load import dcp_load, torch_load
-
         check_written_by(directory, DCP_DIR, "a DCP engine (ddp / fsdp2)")
-        model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
-        state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
-        restore = _saved_scalars_as_views(state, directory / DCP_DIR)
-        dcp_load(state, directory / DCP_DIR)  # torch's reader unpickles .metadata unchecked; this one does not
-        for container, key, tensor in restore:
-            container[key] = tensor
-        set_state_dict(self.wrapped, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-        self.scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
+        read_dcp_state(self.wrapped, self.optimizer, self.scheduler, directory)
+
+
+def read_dcp_state(model: nn.Module, optimizer: Any, scheduler: Any, directory: Path, *, no_dist: bool = False) -> None:
+    """Model, optimizer and schedule from a DCP checkpoint ``directory`` (written by ddp / fsdp2 on any layout: DCP
+    reshards onto this one). ``no_dist``: one process without a process group (the single engine)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from run.safe_load import dcp_load, torch_load
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
+    restore = _saved_scalars_as_views(state, directory / DCP_DIR)
+    # torch's reader unpickles .metadata unchecked; this one does not
+    dcp_load(state, directory / DCP_DIR, no_dist=no_dist)
+    for container, key, tensor in restore:
+        container[key] = tensor
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch_load(directory / SCHEDULER_FILE, map_location="cpu"))
 
 
 def _saved_scalars_as_views(state: dict[str, Any], dcp_dir: Path) -> list[tuple[dict, str, Tensor]]:
@@ -239,7 +246,9 @@ class FSDP2Engine(DataParallelEngine):
     then the root (embeddings, final norm and the tied head in one unit). bf16 parameters with
     fp32 gradient reduction on CUDA; fp32 on CPU. One device mesh (``parallel_dims``):
     ``train.fsdp2.replicate`` > 1 makes it HSDP (replicate x shard), ``train.parallel.tp`` > 1 splits
-    heads and MLP columns first (``tensor_parallel``), and FSDP2 shards over the data-parallel dimensions."""
+    heads and MLP columns first (``tensor_parallel``), ``train.parallel.cp`` > 1 splits every sequence over the
+    CP ranks (``model.attention.context_parallel``: K and V all-gathered per layer), and FSDP2 shards over the
+    data-parallel dimensions (CP's included)."""
 
     name = "fsdp2"
 
@@ -247,8 +256,6 @@ class FSDP2Engine(DataParallelEngine):
         from pretrain.engines.parallel_dims import ParallelDims
 
         self.dims = dims = ParallelDims.from_config(self.cfg, self.world_size)
-        if dims.cp > 1:  # the mesh has its cp dimension; the attention's K/V exchange is not in yet
-            raise ConfigError(f"train.parallel.cp: {dims.cp}: context parallelism is not implemented yet; use cp = 1")
         dims.build_mesh(self.device.type)
         self.data_rank, self.data_world_size = dims.data_rank(), dims.dp
         # FSDP2 averages gradients over its mesh (dp x cp); TP gradients are whole on each rank
@@ -260,6 +267,12 @@ class FSDP2Engine(DataParallelEngine):
             self.data_group = dims.data_group()
             self.tp_size = dims.tp
             apply_tp(model, tp_mesh)
+        cp_mesh = dims.cp_mesh()
+        if cp_mesh is not None:  # after TP (the cores see their local heads), before AC, compile and the FSDP2 wrap
+            from model.transformer import apply_context_parallel
+
+            self.data_group = dims.data_group()
+            self.context_parallel = apply_context_parallel(model, cp_mesh)
 
     def wrap(self, model: Transformer) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard

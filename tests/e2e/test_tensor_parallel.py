@@ -1,21 +1,28 @@
-"""Tensor parallelism (``train.parallel.tp``) against the single-process run, on CPU with gloo, in fp32.
+"""Tensor and context parallelism (``train.parallel.tp`` / ``cp``) against the single-process run, on CPU with gloo,
+in fp32.
 
 For every trainable attention variant (its distinct parameter sets, read from the registry as test_matrix.py
 does) on LLaMA blocks with GQA, full attention on a GPT-2 block (LayerNorm, biases, learned positions, a tied
-head split over the vocabulary, QK-norm): ``tp=2`` (2 processes) and ``dp=2 x tp=2`` (4 processes,
-FSDP2 over dp) runs of 10 steps give the single-process run's training loss and gradient norm at every step within 1e-5
-relative. One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The loader is indexed
-by the data-parallel rank, so each layout trains on the same global batches.
+head split over the vocabulary, QK-norm): ``tp=2`` and ``cp=2`` (2 processes), ``dp=2 x tp=2`` and ``dp=2 x cp=2``
+(4 processes, FSDP2 over dp, and over dp x cp) runs of 10 steps give the single-process run's training loss and
+gradient norm at every step within 1e-5 relative; so does full attention with document masking (GPT-2's learned
+and LLaMA's rotary positions restarting per document) under ``cp=2``. One launch per layout runs every case in
+sequence (tests/e2e/run_sequence.py). The loader is indexed by the data-parallel rank, so each layout trains on
+the same global batches; the CP ranks of a replica split each sequence.
 """
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from data.embedded import iter_embedded
 from model.attention import registry
-from tests.e2e.helpers import run_sequence, train_rows, worst_relative, write_summary
+from pretrain.resume_config import HISTORY_PREFIX
+from tests.e2e.helpers import all_losses, run_sequence, train_rows, worst_relative, write_summary
 from tests.e2e.test_matrix import SHAPE, variant_cases
 from tests.e2e.test_train_cli import overrides
 
@@ -34,11 +41,32 @@ GPT2 = {
     "model.qk_norm": True,
 }
 CASES = {label: options | (GPT2 if label == "full/default" else {}) for label, options in variant_cases().items()}
-LAYOUTS = {  # label -> (processes, overrides)
-    "single": (0, {}),
-    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
-    "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+# document masking (full attention only; positions and document ids stay global under CP), on short documents (the
+# speeches of the embedded corpus's first play: most 32-token windows hold several; its plays are whole documents)
+DOCUMENTS = {
+    "full/documents-gpt2": CASES["full/default"] | {"data.document_masking": True},
+    "full/documents-llama": {"model.attention.kind": "full", "data.document_masking": True},
 }
+# the validation set is the first eval.batch_size x dp x eval.batches sequences: 2 on every layout
+VAL_DP1 = {"eval.batches": 2}
+LAYOUTS = {  # label -> (processes, overrides)
+    "single": (0, VAL_DP1),
+    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2, **VAL_DP1}),
+    "dp2_tp2": (4, {"train.engine": "fsdp2", "train.parallel.tp": 2}),
+    "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2, **VAL_DP1}),
+    "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
+}
+WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
+# tp=2 x cp=2 (4 processes, dp=1) rides in the dp2_cp2 launch (each run builds its own mesh), for two variants
+# with their own parameters (the TP local-tensor swap must cover the CP path): Focus (replicated, read while
+# gathering the routing scores) and Lazy (split with the heads); every variant passed once (docs/parallel.md)
+HOSTED = {"tp2_cp2": ("dp2_cp2", {"train.parallel.tp": 2, **VAL_DP1})}
+HOSTED_CASES = ("focus/soft-prefix", "lazy/default")
+# a cp=2 run stopped at step 5 (in the cp2 launch) resumes under another layout (DCP reshards); Focus: centroids, a
+# learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
+RESUME_CASES = ("focus/soft-prefix", "full/default")
+RESUME_AT = 5
+RESUME_AS = {"tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}), "single": (0, {})}
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
@@ -47,13 +75,35 @@ def _run_dir(root: Path, layout: str, case: str) -> Path:
     return root / layout / case.replace("/", "_")
 
 
+def _speeches(root: Path) -> Path:
+    """A local jsonl corpus of short documents (written once per module)."""
+    path = root / "speeches.jsonl"
+    if not path.is_file():
+        play = next(iter_embedded())
+        speeches = [p.strip() for p in play.text.split("\n\n") if len(p.strip()) > 40]
+        path.write_text("".join(json.dumps({"text": s}) + "\n" for s in speeches))
+    return path
+
+
 def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
     """Every case under ``layout``, in one launch (memoised: the first test of a layout pays)."""
     if layout not in _launches:
         nproc, extra = LAYOUTS[layout]
-        runs = {  # eval.batch_size 1: the same 4 validation sequences on every layout
+        cases = dict(CASES)
+        if layout in WITH_DOCUMENTS:
+            local = {"data.source": "local", "data.path": str(_speeches(root))}
+            cases |= {case: options | local for case, options in DOCUMENTS.items()}
+        if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
+            cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
+        for label, (host, more) in HOSTED.items():
+            if host == layout:
+                cases |= {f"{label}/{case}": CASES[case] | more for case in HOSTED_CASES}
+        if layout == "cp2":
+            stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
+            cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
+        runs = {  # eval.batch_size 1: the same 2 validation sequences on every layout
             case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
-            for case, options in CASES.items()
+            for case, options in cases.items()
         }
         _launches[layout] = run_sequence(nproc, runs, root / f"{layout}.status.json", timeout=1200)
     return _launches[layout]
@@ -63,8 +113,11 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
 def summary(tmp_path_factory):
     yield SUMMARY
     if SUMMARY:
-        lines = ["| layout | case | worst relative loss | worst relative grad norm |", "|---|---|---|---|"]
-        lines += [f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} |" for (lay, case), w in SUMMARY.items()]
+        lines = ["| layout | case | worst relative loss | grad norm | final val loss |", "|---|---|---|---|---|"]
+        lines += [
+            f"| {lay} | {case} | {w['loss']:.1e} | {w['grad_norm']:.1e} | {w.get('val_loss', float('nan')):.1e} |"
+            for (lay, case), w in SUMMARY.items()
+        ]
         md = write_summary(tmp_path_factory, "tensor_parallel_summary.md", "\n".join(lines) + "\n")
         print("\n" + "\n".join(lines) + f"\n(written to {md})")
 
@@ -74,14 +127,60 @@ def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
 
 
-@pytest.mark.parametrize(("layout", "case"), [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES])
+def test_document_masking_is_not_a_no_op(root, cache_dir):
+    """The windows hold several documents: the masked run's first loss differs from the same corpus unmasked."""
+    status = _launch("single", root, cache_dir)
+    assert status["full/documents-gpt2"] == status["full/unmasked-gpt2"] == "ok", status
+    masked, plain = (train_rows(_run_dir(root, "single", c)) for c in ("full/documents-gpt2", "full/unmasked-gpt2"))
+    assert abs(plain[1]["loss"] - masked[1]["loss"]) > 1e-4
+
+
+LAYOUT_CASES = (
+    [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES]
+    + [("cp2", c) for c in DOCUMENTS]
+    + [(lay, c) for lay in HOSTED for c in HOSTED_CASES]
+)
+
+
+@pytest.mark.parametrize(("layout", "case"), LAYOUT_CASES)
 def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
-    status, reference = _launch(layout, root, cache_dir), _launch("single", root, cache_dir)
+    launch, name = (HOSTED[layout][0], f"{layout}/{case}") if layout in HOSTED else (layout, case)
+    status, reference = _launch(launch, root, cache_dir), _launch("single", root, cache_dir)
     assert reference[case] == "ok", reference[case]
-    assert status[case] == "ok", status[case]
-    run, ref = train_rows(_run_dir(root, layout, case)), train_rows(_run_dir(root, "single", case))
+    assert status[name] == "ok", status[name]
+    run_dir, ref_dir = _run_dir(root, launch, name), _run_dir(root, "single", case)
+    run, ref = train_rows(run_dir), train_rows(ref_dir)
     assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
     worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in ("loss", "grad_norm")}
+    # the final validation (the same 2 sequences on every layout; CP ranks score their chunks of them)
+    val, val_ref = (all_losses(d)[(STEPS, "val_loss")] for d in (run_dir, ref_dir))
+    worst["val_loss"] = abs(val - val_ref) / abs(val_ref)
     SUMMARY[(layout, case)] = worst
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "val_loss"):
         assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
+
+
+@pytest.mark.parametrize("target", RESUME_AS)
+def test_a_cp2_run_resumes_under_another_layout(target, root, cache_dir):
+    """Stopped at step 5 under cp=2, resumed as tp=2 and as one process: steps 6-10 are the single-process run's."""
+    status, reference = _launch("cp2", root, cache_dir), _launch("single", root, cache_dir)
+    nproc, extra = RESUME_AS[target]
+    extra = extra | {"checkpoint.every": RESUME_AT}
+    runs = {}
+    for case in RESUME_CASES:
+        assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
+        run_dir = _run_dir(root, f"resume_{target}", case)
+        shutil.copytree(_run_dir(root, "cp2", f"stopped/{case}"), run_dir)
+        runs[case] = overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra})
+    resumed = run_sequence(nproc, runs, root / f"resume_{target}.status.json", timeout=600)
+    for case in RESUME_CASES:
+        assert reference[case] == "ok" and resumed[case] == "ok", (reference[case], resumed[case])
+        run_dir = _run_dir(root, f"resume_{target}", case)
+        assert f"{HISTORY_PREFIX}{RESUME_AT}: train.parallel.cp: 2 -> 1" in (run_dir / "config.toml").read_text()
+        run, ref = train_rows(run_dir), train_rows(_run_dir(root, "single", case))
+        assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
+        keys = ("loss", "grad_norm")
+        worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in keys}
+        SUMMARY[(f"cp2 -> {target} at step {RESUME_AT}", case)] = worst
+        for key in keys:
+            assert worst[key] <= TOL, f"{case} {key}: worst relative difference {worst[key]:.3g} against one process"

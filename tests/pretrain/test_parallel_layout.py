@@ -31,6 +31,16 @@ IMPOSSIBLE = {  # label -> (overrides, the one line's start)
     "single_cp": (["train.parallel.cp=2"], "train.parallel.cp: 2 needs an engine that hosts"),
     "tp_compile": ([FSDP2, "train.parallel.tp=2", "train.compile=true"], "train.compile: not supported with train.par"),
     "tp_zero": ([FSDP2, "train.parallel.tp=0"], "train.parallel.tp: must be >= 1"),
+    "cp_compile": ([FSDP2, "train.parallel.cp=2", "train.compile=true"], "train.compile: not supported with train.par"),
+    # the variant's own chunk under CP: DGA's chunk_size (128 by default) must divide each of the 2 cp chunks
+    "cp_dga_chunk": (
+        [FSDP2, "model.attention.kind=dga", "train.parallel.cp=2"],
+        "data.seq_len: 256 is not divisible by 512 (2 x train.parallel.cp = 4 chunks of a multiple of dga's 128)",
+    ),
+    "cp_dga_sequence": (
+        [FSDP2, "model.attention.kind=dga", "model.attention.dga.selection=sequence", "train.parallel.cp=2"],
+        "model.attention.dga: no context parallelism (train.parallel.cp=2): ",
+    ),
 }
 
 

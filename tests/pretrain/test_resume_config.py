@@ -26,6 +26,7 @@ def test_key_classes():
     assert resume_config.kind_of("train.lr") == resume_config.HONOUR
     assert resume_config.kind_of("train.seed") == resume_config.REFUSE
     assert resume_config.kind_of("train.deepspeed.zero_stage") == resume_config.LAUNCH
+    assert resume_config.kind_of("train.parallel.cp") == resume_config.LAUNCH  # DCP reshards onto another layout
     assert resume_config.kind_of("eval.every") == resume_config.HONOUR
 
 

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, kv_cache_nbytes
+from model.attention.base import Attention, AttnOut, CPRunner, KVCache, kv_cache_nbytes
 from model.attention.dga.config import DGAConfig, focal_count
 
 if TYPE_CHECKING:
@@ -58,12 +58,22 @@ class GroupedKVCache(Attention):
         positions: Tensor,
         cache: KVCache | None = None,
         documents: Tensor | None = None,
+        context_parallel: CPRunner | None = None,
     ) -> AttnOut:
         """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
         entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
         freed on first use and never appended to; ``cache.length`` still counts every token."""
         if cache is None or documents is not None:
-            return super().forward(q, k, v, hidden=hidden, positions=positions, cache=cache, documents=documents)
+            return super().forward(
+                q,
+                k,
+                v,
+                hidden=hidden,
+                positions=positions,
+                cache=cache,
+                documents=documents,
+                context_parallel=context_parallel,
+            )
         t = k.shape[2]
         if cache.length + t > cache.max_len:
             raise ValueError(f"KV cache full: {cache.length} + {t} tokens exceeds its max_len {cache.max_len}")
