@@ -23,6 +23,7 @@ selective, full), then the largest margin.
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import re
 import sys
@@ -103,21 +104,42 @@ class StateBytes:
     accumulation: int  # unsharded float32 gradients FSDP2 holds between micro-batches without gradient sync
 
 
-def state_bytes(model: Transformer, layout: Layout, tp_rank: int = 0, shard_rank: int = 0) -> StateBytes:
-    """One rank's sharded state (exact): see the module docstring."""
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    shape: tuple[int, ...]
+    element_size: int
+    requires_grad: bool
+    tp_dim: int | None  # the dimension tensor parallelism splits (None: replicated)
+
+
+@functools.lru_cache(maxsize=4)
+def param_table(model: Transformer) -> tuple[ParamInfo, ...]:
+    """Every parameter (a tied one once) with the dimension ``apply_tp`` splits (``tp_shard_dims``)."""
     from pretrain.engines.tensor_parallel import tp_shard_dims
 
-    dims = tp_shard_dims(model) if layout.tp > 1 else {}
+    dims = tp_shard_dims(model)
+    return tuple(
+        ParamInfo(name, tuple(p.shape), p.element_size(), p.requires_grad, dims[name])
+        for name, p in model.named_parameters()
+    )
+
+
+def state_bytes(model: Transformer, layout: Layout, tp_rank: int = 0, shard_rank: int = 0) -> StateBytes:
+    """One rank's sharded state (exact): see the module docstring."""
+    return table_state_bytes(param_table(model), layout, tp_rank, shard_rank)
+
+
+def table_state_bytes(table: tuple[ParamInfo, ...], layout: Layout, tp_rank: int, shard_rank: int) -> StateBytes:
     params = grads = optim = unsharded = 0
-    for name, p in model.named_parameters():
+    for p in table:
         local = list(p.shape)
-        dim = dims.get(name)
-        if dim is not None:
-            local[dim] = _chunk(local[dim], layout.tp, tp_rank)
+        if p.tp_dim is not None and layout.tp > 1:
+            local[p.tp_dim] = _chunk(local[p.tp_dim], layout.tp, tp_rank)
         rest = math.prod(local[1:])
         padded_rows = math.ceil(local[0] / layout.shard)
         rows = _chunk(local[0], layout.shard, shard_rank)
-        size = p.element_size()
+        size = p.element_size
         params += padded_rows * rest * size
         if p.requires_grad:
             grads += padded_rows * rest * size
@@ -201,15 +223,12 @@ def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: in
     gathered from the forward to the backward), one block's unsharded gradients (bf16, then float32 for the
     reduce-scatter), the logits' transients (bf16 logits, their float32 copy's gradient) and, when micro-batches
     accumulate, the unsharded float32 gradients."""
-    from pretrain.engines.tensor_parallel import tp_shard_dims
-
-    dims = tp_shard_dims(model) if layout.tp > 1 else {}
     blocks: dict[int, int] = {}
     root = 0
-    for name, p in model.named_parameters():
-        numel = p.numel() // (layout.tp if dims.get(name) is not None else 1)
-        if name.startswith("blocks."):
-            i = int(name.split(".")[1])
+    for p in param_table(model):
+        numel = math.prod(p.shape) // (layout.tp if p.tp_dim is not None else 1)
+        if p.name.startswith("blocks."):
+            i = int(p.name.split(".")[1])
             blocks[i] = blocks.get(i, 0) + numel
         else:
             root += numel
@@ -353,6 +372,16 @@ def report(estimates: list[Estimate], chosen: Estimate | None, cfg: RunConfig, g
     return "\n".join(lines)
 
 
+def breakdown(e: Estimate) -> str:
+    """Why a layout fits, in one line."""
+    s = e.state
+    return (
+        f"per device: parameters {s.parameters / GIB:.2f} GiB, gradients {s.gradients / GIB:.2f}, optimizer "
+        f"{s.optimizer / GIB:.2f} (exact); activations {e.activations / GIB:.2f}, working {e.working / GIB:.2f} "
+        f"(estimated); total {e.total / GIB:.2f} of {e.capacity / GIB:.2f} GiB usable"
+    )
+
+
 def emitted_config(raw: dict, chosen: Estimate) -> dict:
     """The run config ``raw`` (overrides applied) set to the chosen layout."""
     lay = chosen.layout
@@ -421,6 +450,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"from {args.config}",
                 *(f"#   --set {o}" for o in args.overrides),
                 f"# {report([chosen], chosen, cfg, args.gpus, memory).splitlines()[-1]}",
+                f"# {breakdown(chosen)}",
+                f"#   python -m launch.submit --config {args.emit} --nodes {max(1, args.gpus // args.gpus_per_node)} "
+                f"--gpus-per-node {min(args.gpus, args.gpus_per_node)}",
             ]
             atomic_write_text(Path(args.emit), "\n".join(header) + "\n" + text)
             print(f"wrote {args.emit}")
