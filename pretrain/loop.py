@@ -44,6 +44,7 @@ from pretrain.metrics import peak_flops
 from pretrain.optim import apply_hyperparameters
 from pretrain.signals import PREEMPTED_MARKER, SignalHandler
 from pretrain.state import TrainState
+from pretrain.state_sizes import StateProbe, probe_enabled
 from run.checkpoint import NewerFormat
 from run.config import RunConfig, run_config_from_dict
 from run.hf_init import hf_source, load_state, mapped_state
@@ -450,10 +451,17 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         aux_sum: torch.Tensor | None = None
         stats: dict[str, torch.Tensor | float] = {}
+        # PRETRAIN_STATE_SIZES: the first step's local state and saved activations, for the layout planner's test
+        probe = StateProbe(self.model, self.run_dir, self.engine.rank) if self.step == 0 and probe_enabled() else None
         for i, mb in enumerate(micro):
-            out = self.engine.micro_step(
-                mb[:, :-1], mb[:, 1:], loss_scale=1.0 / n_global, aux_scale=1.0 / len(micro), sync=i == len(micro) - 1
-            )
+            with probe.micro_step() if probe is not None else contextlib.nullcontext():
+                out = self.engine.micro_step(
+                    mb[:, :-1],
+                    mb[:, 1:],
+                    loss_scale=1.0 / n_global,
+                    aux_scale=1.0 / len(micro),
+                    sync=i == len(micro) - 1,
+                )
             loss_sum += out.loss_sum
             if out.aux_loss is not None:
                 aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
@@ -462,7 +470,11 @@ class Trainer:
         grad_norm = self.engine.clip_gradients(self.cfg.train.grad_clip)
         # every rank must agree: one all-reduce (and host sync) of the two checks per step
         nonfinite = self._agree(float(not bool(torch.isfinite(loss_sum))) + float(not bool(torch.isfinite(grad_norm))))
+        if probe is not None:
+            probe.before_update()
         self.engine.apply_update(skip=nonfinite > 0)
+        if probe is not None:
+            probe.after_update(self.engine.optimizer)
         self.step += 1
         self.tokens += n_global
         if nonfinite:

@@ -149,6 +149,18 @@ class Attention(nn.Module):
         a function of ``hidden`` and replicated parameters only (each TP rank adds 1 / tp of it)."""
         return {}
 
+    def saved_activation_bytes(
+        self, *, q_tokens: int, k_tokens: int, heads: int, kv_heads: int, dtype_bytes: int
+    ) -> int:
+        """The layout planner's (``launch.plan``) activation model: bytes this core's autograd graph keeps for the
+        backward for ONE sequence, its inputs q, k, v included: ``q_tokens`` queries (this rank's) against
+        ``k_tokens`` keys (the whole sequence under context parallelism: the gathered K and V), ``heads`` /
+        ``kv_heads`` this rank's (tensor parallelism), ``dtype_bytes`` the activations' element size. Default: a
+        fused kernel's (SDPA, flash): q, k, v, the output and a float32 logsumexp per query and head. A variant
+        that keeps more (scores, routing state, a second pass) declares it here."""
+        d = self.spec.head_dim
+        return (2 * q_tokens * heads * d + 2 * k_tokens * kv_heads * d) * dtype_bytes + 4 * q_tokens * heads
+
     def set_train_progress(self, step: int, max_steps: int) -> None:
         """Called before every training step (schedules such as Focus's lambda); values it sets must
         live in persistent buffers so they are checkpointed with the weights."""

@@ -78,6 +78,9 @@ class _PrefixCausal(torch.autograd.Function):
 def prefix_causal_attention(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     """Causal attention of q [B, H, Tq, D] at positions Tk - Tq .. Tk - 1 over k, v [B, H, Tk, D] (heads already
     expanded), exact, with gradients, in O((Tq + Tk) D) memory on the CPU (``prefix_causal_supported``)."""
+    if torch.is_autocast_enabled(q.device.type):  # as autocast casts SDPA's inputs (rotated q, k can be float32)
+        dtype = torch.get_autocast_dtype(q.device.type)
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v)):
         return _PrefixCausal.apply(q, k, v, scale)

@@ -93,12 +93,11 @@ def _sum_hidden_grad(group: dist.ProcessGroup) -> Callable[[nn.Module, tuple, di
     return hook
 
 
-def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
-    """Split ``model`` over the 1-D tensor-parallel ``mesh`` in place (see the module docstring)."""
-    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def tp_plan(model: Transformer) -> dict[str, Any]:
+    """The ``parallelize_module`` plan: module path -> ``ColwiseParallel`` / ``RowwiseParallel``."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    tied = model.lm_head.weight is model.tok_emb.weight
     plan: dict[str, Any] = {
         "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
         "lm_head": ColwiseParallel(output_layouts=Replicate()),
@@ -108,7 +107,40 @@ def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
             plan[f"blocks.{i}.{name}"] = ColwiseParallel()
         plan[f"blocks.{i}.attn.wo"] = RowwiseParallel()
         plan[f"blocks.{i}.mlp.down"] = RowwiseParallel()
-    parallelize_module(model, mesh, plan)
+    return plan
+
+
+def tp_shard_dims(model: Transformer) -> dict[str, int | None]:
+    """Every parameter's name (``named_parameters``, a tied one once) -> the dimension tensor parallelism splits, or
+    None where it is replicated: what ``apply_tp`` does, read off the same plan and variant hook (torch's styles:
+    colwise splits a Linear's weight and bias on dim 0, an Embedding's weight on dim 1; rowwise a Linear's weight on
+    dim 1 with the bias replicated, an Embedding's weight on dim 0). The layout planner's source."""
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    dims: dict[str, int | None] = {}
+    for path, style in tp_plan(model).items():
+        module = model.get_submodule(path)
+        colwise = isinstance(style, ColwiseParallel)
+        for leaf, _ in module.named_parameters(recurse=False):
+            if isinstance(module, nn.Embedding):
+                dims[f"{path}.{leaf}"] = 1 if colwise else 0
+            elif colwise:
+                dims[f"{path}.{leaf}"] = 0
+            else:
+                dims[f"{path}.{leaf}"] = 1 if leaf == "weight" else None
+    for i, block in enumerate(model.blocks):
+        for leaf, dim in block.attn.core.head_sharded_parameters().items():
+            dims[f"blocks.{i}.attn.core.{leaf}"] = dim
+    return {name: dims.get(name) for name, _ in model.named_parameters()}
+
+
+def apply_tp(model: Transformer, mesh: DeviceMesh) -> None:
+    """Split ``model`` over the 1-D tensor-parallel ``mesh`` in place (see the module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tied = model.lm_head.weight is model.tok_emb.weight
+    parallelize_module(model, mesh, tp_plan(model))
     if tied:
         model.lm_head.weight = model.tok_emb.weight
 

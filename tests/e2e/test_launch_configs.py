@@ -116,6 +116,9 @@ def shrunk(name: str, root: Path, cache_dir: Path) -> list[str]:
         "eval.every": 0,
         "eval.batches": 1,
     }
+    if train.parallel.model_parallel > 1:  # 2 processes: context parallelism kept (cp=2) where set, else tp=2
+        extra |= {"train.parallel.cp": min(train.parallel.cp, 2)}
+        extra |= {"train.parallel.tp": 1 if train.parallel.cp > 1 else min(train.parallel.tp, 2)}
     if cfg.data.source == "mixture":
         raise AssertionError(f"{name}: data.source = mixture: give this test local stand-ins for its entries")
     extra |= {f"data.{k}": v for k, v in _local_data(cfg.data.source, root).items()}

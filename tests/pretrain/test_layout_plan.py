@@ -1,0 +1,87 @@
+"""The layout planner's command (``launch.plan``) and the llama-7b long-context launch configs it picked: each
+dry-runs at 64 ranks, renders its SLURM script for 8 nodes x 8 GPUs, and is the planner's own pick, which fits
+80 GiB devices. (Its bytes against real runs: tests/e2e/test_plan.py.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from launch import plan as planner
+from launch import submit
+from launch.presets import CONFIG_DIR
+from pretrain import train
+from run.config import load_run_config
+
+LONG = {"llama-7b-32k.toml": 32768, "llama-7b-128k.toml": 131072}
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_the_7b_long_context_configs_dry_run_and_render(name, monkeypatch, capsys):
+    path = str(CONFIG_DIR / name)
+    monkeypatch.setenv("WORLD_SIZE", "64")  # the layout is checked against the world size under --dry-run
+    assert train.main(["--config", path, "--dry-run"]) == 0
+    assert f"seq_len = {LONG[name]}" in capsys.readouterr().out
+    assert submit.main(["--config", path, "--nodes", "8", "--gpus-per-node", "8", "--dry-run"]) == 0
+    script = capsys.readouterr().out
+    assert "#SBATCH --nodes=8" in script and "NPROC_PER_NODE=8" in script and path in script
+
+
+@pytest.mark.parametrize("name", list(LONG))
+def test_the_7b_configs_are_the_planners_pick_and_fit_80gib(name):
+    cfg = load_run_config(CONFIG_DIR / name)
+    chosen = planner.pick(planner.plan(cfg, 64, 80 << 30))
+    assert chosen is not None and chosen.fits
+    lay = chosen.layout
+    assert (lay.cp, lay.tp, lay.ac) == (
+        cfg.train.parallel.cp,
+        cfg.train.parallel.tp,
+        cfg.train.activation_checkpointing,
+    )
+    assert lay.world == 64 and chosen.micro * lay.dp == cfg.train.batch_size  # no accumulation
+    assert planner.breakdown(chosen) in (CONFIG_DIR / name).read_text()  # the file says why it fits
+
+
+def test_sharded_bytes_follow_torch_chunk_and_fsdp_padding():
+    """A [5, 3] float32 parameter split on dim 1 by tp=3 (1 column each), then over 2 FSDP ranks: each stores 3
+    padded rows, the optimizer holds rank 0's 3 and rank 1's 2 rows (torch.chunk), plus a float32 step."""
+    table = (planner.ParamInfo("w", (5, 3), 4, True, 1),)
+    rows = [len(c) for c in torch.chunk(torch.zeros(5), 2)]
+    for rank in (0, 1):
+        s = planner.table_state_bytes(table, planner.Layout(1, 2, 1, 3), 0, rank)
+        assert s.parameters == s.gradients == math.ceil(5 / 2) * 1 * 4
+        assert s.optimizer == 2 * rows[rank] * 1 * 4 + 4
+        assert s.accumulation == 5 * 1 * 4
+
+
+def test_emit_writes_a_config_that_loads(tmp_path, capsys):
+    out = tmp_path / "planned.toml"
+    tiny = str(CONFIG_DIR / "tiny.toml")
+    assert (
+        planner.main(
+            ["--config", tiny, "--gpus", "2", "--gpu-memory", "1GiB", "--set", "train.engine=fsdp2", "--emit", str(out)]
+        )
+        == 0
+    )
+    text = capsys.readouterr().out
+    assert "picked 1x2x1x1" in text and "<- picked" in text
+    cfg = load_run_config(out)
+    assert cfg.train.engine == "fsdp2" and cfg.train.activation_checkpointing == "none"
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--gpus", "0", "--gpu-memory", "80GiB"], "error: --gpus: must be >= 1, got 0"),
+        (["--gpus", "8", "--gpu-memory", "80XB"], "error: --gpu-memory: '80XB' is not a size"),
+        (["--gpus", "8", "--gpu-memory", "80GiB", "--reserve", "1.5"], "error: --reserve: must be in [0, 1)"),
+        (["--gpus", "3", "--gpu-memory", "80GiB", "--set", "train.engine=fsdp2"], "error: --gpus: no layout of 3"),
+        (["--gpus", "8", "--gpu-memory", "80GiB"], "error: train.engine: the planner plans fsdp2 layouts"),
+    ],
+)
+def test_bad_flags_give_one_line_and_exit_2(flags, line, capsys):
+    assert planner.main(["--config", str(CONFIG_DIR / "tiny.toml"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(line) and err.count("\n") == 1, err
