@@ -88,16 +88,27 @@ def _here(name: str) -> str:
     return f"{HERE}::{name}"
 
 
+ENGINES = ("single", "fsdp2", "deepspeed")
+PARALLEL = ("fsdp2", "deepspeed")  # torchrun, 2 ranks
+# the relaunch test of the parallel engines: damage, SIGTERM in a save, a rank SIGKILLed in a save, leftovers
+SAVES = "test_damage_sigterm_and_a_killed_rank_during_saves_resume_to_the_uninterrupted_losses"
+
+
 ATTACKS = [
     # -- the table
     *(
         Attack(f"keep-1-damaged-newest-{e}", TABLE[0], e, t)
         for e, t in (
             ("single", f"{INTEGRITY}::test_keep_1_with_a_damaged_newest_checkpoint_resumes_twice_in_a_row"),
-            ("fsdp2", _here("test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses[fsdp2]")),
+            (
+                "fsdp2",
+                _here("test_damage_sigterm_and_a_killed_rank_during_saves_resume_to_the_uninterrupted_losses[fsdp2]"),
+            ),
             (
                 "deepspeed",
-                _here("test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses[deepspeed]"),
+                _here(
+                    "test_damage_sigterm_and_a_killed_rank_during_saves_resume_to_the_uninterrupted_losses[deepspeed]"
+                ),
             ),
         )
     ),
@@ -136,22 +147,21 @@ ATTACKS = [
         f"{INTEGRITY}::test_a_full_disk_during_a_save_is_one_line_with_the_place_and_free_space",
     ),
     Attack(
-        "dead-save-temporaries",
+        "dead-save-temporaries-single",
         TABLE[8],
         "single",
         f"{INTEGRITY}::test_leftover_temporaries_of_dead_saves_are_removed_at_start_up",
     ),
     Attack(
-        "sigkill-during-save",
+        "sigkill-during-save-single",
         TABLE[8],
         "single",
         "tests/e2e/test_train_cli.py::test_sigkill_while_writing_a_checkpoint_leaves_the_run_resumable",
     ),
-    Attack(
-        "sigkill-rank-during-save",
-        TABLE[8],
-        "fsdp2",
-        _here("test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses[fsdp2]"),
+    *(
+        Attack(f"{case}-{e}", TABLE[8], e, _here(f"{SAVES}[{e}]"))
+        for case in ("dead-save-temporaries", "sigkill-rank-during-save")
+        for e in PARALLEL
     ),
     Attack(
         "newer-format",
@@ -187,15 +197,14 @@ ATTACKS = [
         "single",
         "tests/pretrain/test_robustness.py::test_a_second_live_trainer_on_the_same_run_dir_is_refused",
     ),
+    *(Attack(f"sigkill-rank-{e}", HOLDING[1], e, _here(f"{SAVES}[{e}]")) for e in PARALLEL),
     Attack(
-        "sigkill-rank",
-        HOLDING[1],
-        "fsdp2",
-        _here("test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses[fsdp2]"),
+        "sigterm-during-save-single",
+        HOLDING[2],
+        "single",
+        _here("test_sigterm_during_a_save_exits_75_and_resumes_exactly"),
     ),
-    Attack(
-        "sigterm-during-save", HOLDING[2], "single", _here("test_sigterm_during_a_save_exits_75_and_resumes_exactly")
-    ),
+    *(Attack(f"sigterm-during-save-{e}", HOLDING[2], e, _here(f"{SAVES}[{e}]")) for e in PARALLEL),
     *(
         Attack(f"planted-{name}", HOLDING[3], engine, f"{SAFE}::{test}")
         for name, engine, test in (
@@ -242,7 +251,7 @@ ATTACKS = [
             f"flip-every-file-resume-{e}",
             MUST_HOLD[0],
             e,
-            _here(f"test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses[{e}]"),
+            _here(f"test_damage_sigterm_and_a_killed_rank_during_saves_resume_to_the_uninterrupted_losses[{e}]"),
         )
         for e in ("fsdp2", "deepspeed")
     ),
@@ -264,7 +273,18 @@ ATTACKS = [
 ]
 # the keep=1 must-hold line is the table's first row, staged by the same tests
 ATTACKS += [Attack(f"keep-1-twice-{a.engine}", MUST_HOLD[1], a.engine, a.test) for a in ATTACKS if a.row == TABLE[0]]
-ENGINES = ("single", "fsdp2", "deepspeed")
+# the cases that apply to more than one engine, and the engines each must be staged on (``<case>-<engine>``):
+# a checkpoint is written and read by every engine; only the torchrun engines have a rank to kill
+ON_ENGINES = {
+    "keep-1-damaged-newest": ENGINES,
+    "keep-1-twice": ENGINES,
+    "flip-every-file-verify": ENGINES,
+    "flip-every-file-resume": ENGINES,
+    "sigterm-during-save": ENGINES,
+    "dead-save-temporaries": ENGINES,
+    "sigkill-rank-during-save": PARALLEL,
+    "sigkill-rank": PARALLEL,
+}
 
 
 # ---- fast: the list mirrors the issue -------------------------------------------------------------------------
@@ -277,8 +297,17 @@ def test_every_row_of_the_issue_has_a_case_on_every_engine_it_applies_to():
     for a in ATTACKS:
         by_row.setdefault(a.row, set()).add(a.engine)
     # the checkpoint cases apply to every engine's checkpoints
-    for row in (TABLE[0], MUST_HOLD[0], MUST_HOLD[1]):
+    for row in (TABLE[0], TABLE[8], HOLDING[2], MUST_HOLD[0], MUST_HOLD[1]):
         assert set(ENGINES) <= by_row[row], (row, by_row[row])
+    assert set(PARALLEL) <= by_row[HOLDING[1]]
+    cases = {a.id: a for a in ATTACKS}
+    for case, engines in ON_ENGINES.items():
+        for engine in engines:
+            attack = cases.get(f"{case}-{engine}")
+            assert attack is not None and attack.engine == engine, (case, engine)
+            param = attack.test.partition("[")[2]
+            # a test parametrised by engine stages this engine's case, not another's
+            assert not param or param.rstrip("]") == engine, attack
     assert {"single", "ddp", "deepspeed"} <= by_row[HOLDING[3]]
 
 
@@ -462,47 +491,105 @@ def _one_warning(out: str, damaged: Path) -> None:
     assert len(warnings) == 1 and str(damaged) in warnings[0], out[-3000:]
 
 
-# rank 1 stops inside the save of step 4 (its share of the checksums), so the test can SIGKILL it there
-KILL_RANK_1_DURING_SAVE = textwrap.dedent(
+# what a torchrun launch (this script on every rank) does inside the save of step SAVE_STEP, once every file is
+# written and before the checkpoint is complete (each rank hashing its share of the files):
+#   ATTACK=kill-rank-1: rank 1 stops there with its pid in MARKER, so that the test SIGKILLs it there;
+#   ATTACK=sigterm: rank 0 sends SIGTERM to the launcher, which forwards it to every rank (a preemption), and goes
+#   on once its own handler has it, so the signal lands inside the save on every rank.
+DURING_SAVE = textwrap.dedent(
     """
-    import os, sys, time
+    import os, signal, sys, time
     from pathlib import Path
 
+    from pretrain import signals
     from run import checksums
+    from run.checkpoint import TMP_PREFIX
 
-    original = checksums.digests
+    attack, rank = os.environ["ATTACK"], os.environ["RANK"]
+    saving = f"{TMP_PREFIX}step_{int(os.environ['SAVE_STEP']):08d}"
+    digests, handle, received = checksums.digests, signals.SignalHandler._handle, []
 
-    def stall(root, names):
-        if os.environ.get("RANK") == "1" and "step_00000004" in Path(root).name:
-            Path(os.environ["MARKER"]).write_text(str(os.getpid()))
-            time.sleep(600)
-        return original(root, names)
+    def record(self, signum, frame):
+        received.append(signum)
+        handle(self, signum, frame)
 
-    checksums.digests = stall
+    def attacked(root, names):
+        if Path(root).name.startswith(saving):
+            if attack == "kill-rank-1" and rank == "1":
+                Path(os.environ["MARKER"]).write_text(str(os.getpid()))
+                time.sleep(600)
+            if attack == "sigterm" and rank == "0" and not received:
+                os.kill(os.getppid(), signal.SIGTERM)
+                deadline = time.monotonic() + 60
+                while not received and time.monotonic() < deadline:
+                    time.sleep(0.01)
+        return digests(root, names)
+
+    signals.SignalHandler._handle = record
+    checksums.digests = attacked
     from pretrain.train import main
 
-    sys.exit(main(sys.argv[1:]))
+    code = main(sys.argv[1:])
+    Path(os.environ["EXITS"], f"rank{rank}").write_text(str(code))  # torchrun shows none after its own SIGTERM
+    sys.exit(code)
     """
 )
+
+
+def _torchrun_attacked(args: list[str], tmp_path: Path, attack: str, step: int) -> subprocess.Popen:
+    """A torchrun of ``args`` (2 processes) that stages ``attack`` inside the save of ``step``."""
+    from tests.e2e.helpers import _env
+    from tests.e2e.test_train_cli import TINY
+
+    script = tmp_path / "during_save.py"
+    script.write_text(DURING_SAVE)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
+    exits = tmp_path / f"exits-{attack}"
+    exits.mkdir()
+    env = {
+        **_env(),
+        "ATTACK": attack,
+        "SAVE_STEP": str(step),
+        "MARKER": str(tmp_path / "rank1.pid"),
+        "EXITS": str(exits),
+    }
+    return subprocess.Popen(
+        [*launcher, "--config", str(TINY), *args],
+        cwd=REPO,
+        env={**env, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _sigterm_during_the_save_of(step: int, run_dir: Path, args: list[str], tmp_path: Path) -> str:
+    """A torchrun of ``args`` preempted (SIGTERM to the launcher, forwarded to both ranks) inside the save of
+    ``step``: the save completes, both ranks stop at the next step boundary and exit 75 and the requeue marker
+    names ``step``. Its stdout."""
+    from pretrain.signals import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+
+    proc = _torchrun_attacked(args, tmp_path, "sigterm", step)
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode != 0, "torchrun reports the preemption"
+    said = f"preemption signal (SIGTERM): saving at step {step} and exiting with {PREEMPTED_EXIT_CODE}"
+    assert said in out, (out[-3000:], err[-3000:])
+    exits = {p.name: p.read_text() for p in (tmp_path / "exits-sigterm").iterdir()}
+    assert exits == {"rank0": str(PREEMPTED_EXIT_CODE), "rank1": str(PREEMPTED_EXIT_CODE)}, (exits, err[-3000:])
+    assert (run_dir / PREEMPTED_MARKER).read_text().strip() == str(step), "what the launcher requeues from"
+    return out
 
 
 def _rank_1_killed_during_the_save_of_step_4(args: list[str], tmp_path: Path) -> str:
     """A torchrun of ``args`` whose rank 1 is SIGKILLed inside the save of step 4; its stdout. The job must end
     within seconds (the issue's "about a second"; 30 s of slack for a loaded CI machine)."""
-    from tests.e2e.helpers import _env
-    from tests.e2e.test_train_cli import TINY
-
-    script, marker = tmp_path / "kill_during_save.py", tmp_path / "rank1.pid"
-    script.write_text(KILL_RANK_1_DURING_SAVE)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(script)]
-    proc = subprocess.Popen(
-        [*launcher, "--config", str(TINY), *args],
-        cwd=REPO,
-        env={**_env(), "MARKER": str(marker), "PYTHONPATH": str(REPO)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    marker = tmp_path / "rank1.pid"
+    proc = _torchrun_attacked(args, tmp_path, "kill-rank-1", 4)
     try:
         deadline = time.monotonic() + 240
         while not marker.is_file() and proc.poll() is None and time.monotonic() < deadline:
@@ -523,16 +610,20 @@ def _rank_1_killed_during_the_save_of_step_4(args: list[str], tmp_path: Path) ->
 
 @pytest.mark.slow
 @pytest.mark.parametrize("engine", ["fsdp2", "deepspeed"])
-def test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_losses(
+def test_damage_sigterm_and_a_killed_rank_during_saves_resume_to_the_uninterrupted_losses(
     engine: str, request: pytest.FixtureRequest, tmp_path: Path, cache_dir: Path
 ):
-    """20 bytes flipped in every file of the newest checkpoint, ``checkpoint.keep = 1``: the first relaunch skips it
-    with one line, resumes from the previous one, moves the damaged one aside and saves step 3 (the only one
-    kept); the second resumes from step 3; the losses are the uninterrupted run's.
+    """Three launches on one copy of the engine's run, ``checkpoint.keep = 1``, each attacked:
 
-    Under fsdp2 the second relaunch also has rank 1 SIGKILLed while it writes step 4 (the issue's rank killed
-    under torchrun, here mid-save): the job ends within seconds, leaving only a temporary directory, and a third
-    relaunch removes it at start-up and resumes from step 3 again."""
+    1. 20 bytes flipped in every file of the newest checkpoint (step 4), and SIGTERM (a preemption) inside the
+       save of step 3: the launch skips step 4 with one line, resumes from step 2, moves step 4 aside, saves
+       step 3 whole (the only one kept), exits 75 on both ranks and leaves the requeue marker;
+    2. rank 1 SIGKILLed inside the save of step 4 (the issue's rank killed under torchrun, here mid-save): the
+       job ends within seconds, leaving the dead save's temporary directory (and two more planted, as from
+       earlier launches killed the same way);
+    3. the requeue removes the three at start-up and resumes from step 3 with no warning.
+
+    The losses are the uninterrupted run's."""
     from tests.e2e.helpers import why
 
     base = request.getfixturevalue(BASES[engine])
@@ -541,17 +632,20 @@ def test_every_file_flipped_under_keep_1_resumes_twice_to_the_uninterrupted_loss
     rng = random.Random(f"relaunch-{engine}")
     for name in _files(newest):
         flip_bytes(newest / name, 20, rng)
-    first = _torchrun(engine_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1, "train.stop_at": 3}))
-    assert first.returncode == 0, why(first)
-    _one_warning(first.stdout, newest)
-    assert "step_00000002 at step 2" in first.stdout, first.stdout[-3000:]
+    every_step = engine_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1, "checkpoint.every": 1})
+    first = _sigterm_during_the_save_of(3, run_dir, every_step, tmp_path)
+    _one_warning(first, newest)
+    assert "step_00000002 at step 2" in first, first[-3000:]
     assert [p.name for _, p in ckpt.complete_checkpoints(run_dir)] == ["step_00000003"]
     assert (run_dir / "checkpoints" / "damaged" / newest.name).is_dir()  # kept, out of the way
     keep_1 = engine_args(run_dir, cache_dir, engine, **{"checkpoint.keep": 1})
-    if engine == "fsdp2":
-        killed = _rank_1_killed_during_the_save_of_step_4(keep_1, tmp_path)
-        assert "step_00000003 at step 3" in killed, killed[-3000:]
-        assert ckpt.leftover_temporaries(run_dir), "the dead save left its temporary directory"
+    killed = _rank_1_killed_during_the_save_of_step_4(keep_1, tmp_path)
+    assert "step_00000003 at step 3" in killed, killed[-3000:]
+    assert len(ckpt.leftover_temporaries(run_dir)) == 1, "the dead save left its temporary directory"
+    for pid in (999_999_998, 999_999_999):  # two earlier launches killed in their first save
+        planted = run_dir / "checkpoints" / f"{ckpt.TMP_PREFIX}step_00000004-{pid}"
+        planted.mkdir()
+        (planted / "optimizer.pt").write_bytes(b"x" * 1000)
     second = _torchrun(keep_1)
     assert second.returncode == 0, why(second)
     assert "step_00000003 at step 3" in second.stdout and "warning: skipping" not in second.stdout
