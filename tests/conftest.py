@@ -35,13 +35,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # registered here too, so --strict-markers accepts it where pytest-xdist is absent
+    config.addinivalue_line("markers", "xdist_group(name): tests of one group run in one pytest-xdist worker")
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one (the only skip CI allows)")
     config.addinivalue_line(
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
     )
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``long_context`` are deselected unless ``--long-context`` is given: they outlast the suite's
     time budget, and a deselection is not a skip (which CI would fail)."""
     if config.getoption("--long-context"):
@@ -50,6 +52,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = [item for item in items if item.get_closest_marker("long_context") is None]
+
+
+# Modules that share a session-scoped run (tests/pretrain/conftest.py's engine runs) go to one pytest-xdist worker.
+SHARED_RUNS = {"test_safe_loading.py": "engine-runs", "test_attacks.py": "engine-runs"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) a module's tests go to one worker
+    together, so a launch that a module-scoped fixture shares runs once: each test gets its module as its
+    ``xdist_group`` (tryfirst: before xdist reads the marks). Without ``-n`` the marks do nothing."""
+    _deselect_long_context(config, items)
+    for item in items:
+        group = SHARED_RUNS.get(item.path.name) or (
+            str(item.path.relative_to(REPO)) if item.path.is_relative_to(REPO) else str(item.path)
+        )
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
