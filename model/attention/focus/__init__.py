@@ -332,7 +332,9 @@ class FocusAttention(Attention):
     # gathers the per-token group scores [B, T, K] (K floats a token, next to K and V's 2 Hkv D) and runs the
     # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
     # scores goes back to the rank that owns the token through the gather's reduce-scatter.
-    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
+    def cp_context(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+    ) -> Any:
         return self.assign_whole(gather(self.group_scores(hidden), 1))
 
     def cp_attend(
