@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
@@ -331,11 +332,17 @@ class FocusAttention(Attention):
     # group masses; sequence scope: all tokens), and the gate reads every key's assignment. Under CP each rank
     # gathers the per-token group scores [B, T, K] (K floats a token, next to K and V's 2 Hkv D) and runs the
     # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
-    # scores goes back to the rank that owns the token through the gather's reduce-scatter.
+    # scores goes back to the rank that owns the token through the gather's reduce-scatter. Every rank runs it over
+    # the whole sequence, so its intermediates (10 iterations of [B, T, K], partly float64) would not shrink with
+    # cp: they are recomputed in the backward instead (non-reentrant checkpoint: the same values), and a rank keeps
+    # only the gathered scores and assignments.
     def cp_context(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
     ) -> Any:
-        return self.assign_whole(gather(self.group_scores(hidden), 1))
+        scores = gather(self.group_scores(hidden), 1)
+        if torch.is_grad_enabled() and scores.requires_grad and not torch.compiler.is_compiling():
+            return checkpoint(self.assign_whole, scores, use_reentrant=False)
+        return self.assign_whole(scores)
 
     def cp_attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
