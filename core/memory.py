@@ -1,6 +1,6 @@
 """Peak memory of a block of code: the CUDA allocator's peak, or on the CPU the growth of the process's peak
 resident set (Linux ``VmHWM``, reset through ``/proc/self/clear_refs``). ``bench.memory`` (the benchmarks) and the
-trainer's per-step measurement (``PRETRAIN_PEAK_MEMORY``, ``pretrain.loop``) measure the same way."""
+trainer's per-step measurement (``FOCUSED_PRETRAIN_PEAK_MEMORY``, ``pretrain.loop``) measure the same way."""
 
 from __future__ import annotations
 

@@ -65,7 +65,7 @@ LOCK_FILE = ".lock"
 # set to 1: every step's forward + backward is measured as ``bench.memory`` measures (``core.memory.PeakMemory``: the
 # CUDA allocator's peak, or on the CPU the growth of the resident set's peak, glibc returning freed blocks) and log
 # steps carry each rank's ``mem/step_peak_mib/rank<r>`` and their maximum ``mem/step_peak_mib``
-PEAK_MEMORY_ENV = "PRETRAIN_PEAK_MEMORY"
+PEAK_MEMORY_ENV = "FOCUSED_PRETRAIN_PEAK_MEMORY"
 
 
 def seed_everything(seed: int) -> None:

@@ -1,14 +1,15 @@
 """Issue 27: the per-rank peak activation memory of a ``cp=2`` training run is at most 0.6x that of the same run on
 one process, for every trainable attention variant (read from the registry, at its defaults).
 
-Measured as ``bench.memory`` measures, by the trainer itself (``PRETRAIN_PEAK_MEMORY=1``, ``pretrain.loop``): the
-growth of the resident set's peak over one step's forward + backward (glibc returning freed blocks), on every rank;
-the run's figure is the median over the steps after the first (warm-up) of the largest rank's. The toy model of the
+Measured as ``bench.memory`` measures, by the trainer itself (``FOCUSED_PRETRAIN_PEAK_MEMORY=1``,
+``pretrain.loop``): the growth of the resident set's peak over one step's forward + backward (glibc returning freed
+blocks), on every rank; a run's figure is the largest rank's at step 2 (step 1 warms up). The toy model of the
 end-to-end tests (64 wide, 2 layers, fp32, batches of one sequence) on CPU with gloo; one launch per layout runs
 every variant (``tests/e2e/run_sequence.py``).
 
-At ``data.seq_len = 8192`` (the issue's length) both launches take minutes on 2 cores: ``long_context`` (run with
-``--long-context``). The slow tier checks the same ratio at 4096.
+At ``data.seq_len = 8192`` (the issue's length) the two launches take minutes on 2 cores: ``long_context`` (run with
+``--long-context``). The slow tier checks the same ratio at 4096 with the ``tiny`` preset's proportions
+(``TINY_PROPORTIONS``).
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _options(kind: str, seq_len: int, shape: dict) -> dict:
 
 
 def _peak_mib(run_dir: Path) -> float:
-    """The median over the measured steps of the largest rank's step peak (MiB)."""
+    """The median over the measured steps (step 2 on) of the largest rank's step peak (MiB)."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     peaks = [r["mem/step_peak_mib"] for r in rows if "mem/step_peak_mib" in r and r["step"] > 1]
     assert len(peaks) == STEPS - 1 and min(peaks) > 0, f"{run_dir}: unmeasured steps {peaks}"
