@@ -1,10 +1,9 @@
-"""Measuring helpers for the benchmarks: peak memory of a call (CUDA allocator or the CPU resident set), median
-timing, and the bytes a KV cache has allocated. See ``bench.attention``'s docstring for the CPU method."""
+"""Measuring helpers for the benchmarks: peak memory of a call (CUDA allocator or the CPU resident set: ``PeakMemory``,
+from ``core.memory``, which the trainer shares), median timing, and the bytes a KV cache has allocated. See
+``bench.attention``'s docstring for the CPU method."""
 
 from __future__ import annotations
 
-import ctypes
-import re
 import statistics
 import sys
 import time
@@ -14,59 +13,10 @@ from typing import Any
 
 import torch
 
+from core.memory import PeakMemory, fix_malloc_for_rss
 from model.attention import KVCache
 
-
-def fix_malloc_for_rss() -> bool:
-    """glibc: every allocation >= 64 KiB gets its own mmap, returned to the system when freed (no dynamic threshold)."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(-3, 64 * 1024))  # M_MMAP_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-def _status_kib(key: str) -> int:
-    with open("/proc/self/status") as f:
-        match = re.search(rf"^{key}:\s+(\d+)", f.read(), re.M)
-    if match is None:  # a kernel without this field: unmeasurable, as an unreadable file is
-        raise OSError(f"/proc/self/status has no {key}")
-    return int(match.group(1))
-
-
-class PeakMemory:
-    """Peak bytes added during the ``with`` block (see the module docstring); ``peak`` is None where unmeasurable."""
-
-    def __init__(self, device: str):
-        self.device = device
-        self.peak: int | None = None
-        self.base: int | None = None
-
-    def __enter__(self) -> PeakMemory:
-        if self.device not in ("cuda", "cpu"):
-            return self
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            self.base = torch.cuda.memory_allocated()
-            return self
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current VmRSS
-            self.base = _status_kib("VmRSS") * 1024
-        except OSError:
-            self.base = None
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.device not in ("cuda", "cpu"):
-            return
-        if self.device == "cuda":
-            torch.cuda.synchronize()
-            assert self.base is not None  # set by __enter__ on CUDA
-            self.peak = torch.cuda.max_memory_allocated() - self.base
-        elif self.base is not None:
-            self.peak = max(0, _status_kib("VmHWM") * 1024 - self.base)
+__all__ = ["PeakMemory", "cache_nbytes", "fix_malloc_for_rss", "measure"]
 
 
 def measure(fn: Callable[[], Any], device: str, repeat: int) -> tuple[float, int | None]:

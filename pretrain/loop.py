@@ -27,6 +27,7 @@ import torch
 
 from core.errors import ConfigError
 from core.files import atomic_write_text
+from core.memory import PeakMemory, fix_malloc_for_rss
 from core.rng import rng_state, set_rng_state
 from data.build import Corpus, build_corpus
 from data.loader import BatchLoader, StreamBatchLoader, eval_batches
@@ -62,6 +63,10 @@ class TrainResult:
 NONFINITE_EXIT_CODE = 3  # a non-finite loss or gradient norm stopped the run (train.nonfinite)
 STALLED_EXIT_CODE = 75  # another rank stopped answering: like a preemption, the marker is left for a requeue
 LOCK_FILE = ".lock"
+# set to 1: every step's forward + backward is measured as ``bench.memory`` measures (``core.memory.PeakMemory``: the
+# CUDA allocator's peak, or on the CPU the growth of the resident set's peak, glibc returning freed blocks) and log
+# steps carry each rank's ``mem/step_peak_mib/rank<r>`` and their maximum ``mem/step_peak_mib``
+PEAK_MEMORY_ENV = "FOCUSED_PRETRAIN_PEAK_MEMORY"
 
 
 def seed_everything(seed: int) -> None:
@@ -104,6 +109,7 @@ class Trainer:
         self.preempted = False
         self.error = ""  # a failure that stopped the run (non-finite values)
         self.nonfinite_streak = 0
+        self.measure_memory = os.environ.get(PEAK_MEMORY_ENV, "") not in ("", "0")
 
     @property
     def finished(self) -> bool:
@@ -120,6 +126,8 @@ class Trainer:
         directory is written only after the resume (if any) has been validated."""
         cfg = self.cfg
         self.device = prepare_device(cfg.train)
+        if self.measure_memory and self.device.type == "cpu":
+            fix_malloc_for_rss()  # the resident set then follows the live tensors (bench.memory's method)
         seed_everything(cfg.train.seed)
         with rank_zero_first():
             self.corpus: Corpus = build_corpus(cfg.data, vocab_size=cfg.model.vocab_size, log=self._say)
@@ -453,20 +461,22 @@ class Trainer:
         stats: dict[str, torch.Tensor | float] = {}
         # PRETRAIN_STATE_SIZES: the first step's local state and saved activations, for the layout planner's test
         probe = StateProbe(self.model, self.run_dir, self.engine.rank) if self.step == 0 and probe_enabled() else None
-        for i, mb in enumerate(micro):
-            with probe.micro_step() if probe is not None else contextlib.nullcontext():
-                out = self.engine.micro_step(
-                    mb[:, :-1],
-                    mb[:, 1:],
-                    loss_scale=1.0 / n_global,
-                    aux_scale=1.0 / len(micro),
-                    sync=i == len(micro) - 1,
-                )
-            loss_sum += out.loss_sum
-            if out.aux_loss is not None:
-                aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
-            for key, value in out.stats.items():
-                stats[key] = stats.get(key, 0.0) + value / len(micro)
+        with PeakMemory(self.device.type if self.measure_memory else "none") as mem:
+            for i, mb in enumerate(micro):
+                with probe.micro_step() if probe is not None else contextlib.nullcontext():
+                    out = self.engine.micro_step(
+                        mb[:, :-1],
+                        mb[:, 1:],
+                        loss_scale=1.0 / n_global,
+                        aux_scale=1.0 / len(micro),
+                        sync=i == len(micro) - 1,
+                    )
+                loss_sum += out.loss_sum
+                if out.aux_loss is not None:
+                    aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
+                for key, value in out.stats.items():
+                    stats[key] = stats.get(key, 0.0) + value / len(micro)
+        peaks = self._rank_peaks(mem.peak) if self.measure_memory else {}
         grad_norm = self.engine.clip_gradients(self.cfg.train.grad_clip)
         # every rank must agree: one all-reduce (and host sync) of the two checks per step
         nonfinite = self._agree(float(not bool(torch.isfinite(loss_sum))) + float(not bool(torch.isfinite(grad_norm))))
@@ -492,6 +502,7 @@ class Trainer:
         }
         if aux_sum is not None:
             record["aux_loss"] = float(aux_sum)
+        record.update(peaks)
         record.update(self._source_tokens())
         if self.corpus.val is not None:
             with self.engine.autocast():
@@ -575,6 +586,17 @@ class Trainer:
                 f"with {self.signals.exit_code}"
             )
         return True
+
+    def _rank_peaks(self, peak: int | None) -> dict[str, float]:
+        """Every rank's peak (MiB) of this step's forward + backward, and their maximum (one all-reduce; -1 where
+        unmeasurable)."""
+        world, rank = self.engine.world_size, self.engine.rank
+        mib = torch.zeros(world, dtype=torch.float64, device=self.device)
+        mib[rank] = -1.0 if peak is None else peak / 2**20
+        if world > 1:
+            mib = self.engine.all_reduce_sum(mib)
+        values = mib.tolist()
+        return {"mem/step_peak_mib": max(values), **{f"mem/step_peak_mib/rank{r}": v for r, v in enumerate(values)}}
 
     def _agree(self, value: float) -> float:
         """``value`` summed over ranks (itself in one process)."""

@@ -167,7 +167,9 @@ def context_parallel_attention(
         raise ValueError(f"context parallelism: {t_local} local tokens do not make two equal chunks")
     c = t_local // 2
     k_all, v_all = cp.gather(k, 2), cp.gather(v, 2)
-    context = core.cp_context(q, k, v, hidden=hidden, gather=cp.gather) if documents is None else None
+    context = (
+        core.cp_context(q, k, v, hidden=hidden, gather=cp.gather, positions=positions) if documents is None else None
+    )
     outs: list[Tensor] = []
     aux: Tensor | None = None
     stats: dict[str, Tensor] = {}

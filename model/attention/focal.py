@@ -94,7 +94,9 @@ class FocalAttention(FullAttention):
 
     # Under context parallelism the prefix and sequence means read every earlier token's x . w_tau: one scalar per
     # token is gathered (cp_context); the per-query scope and the constant mode need nothing beyond K and V.
-    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
+    def cp_context(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+    ) -> Any:
         if self.w_tau is None or self.cfg.scope == "query":
             return None
         return gather(hidden.to(self.w_tau.dtype) @ self.w_tau, 1)  # [B, T] z of every token, global order

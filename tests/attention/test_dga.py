@@ -447,3 +447,24 @@ def test_bad_options_are_one_line_config_errors(options, key):
     with pytest.raises(ConfigError, match=f"model.attention.dga.{key}") as err:
         DGAConfig(**options).validate("model.attention.dga.")
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("q0", [8, 16, 32])
+def test_causal_parts_at_an_offset_are_the_whole_sequences_rows(q0):
+    """``CausalPlan(q0=...)`` (context parallelism: a chunk's queries against the keys before and in it) gives the
+    whole-sequence plan's rows from q0 on, values and gradients of q, k, v and the entries, float64."""
+    from model.attention.dga.blockwise import CausalPlan, parts_attention
+
+    t, c, e = 48, 8, 3
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, t, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    ck, cv = (torch.randn(1, 2, e * (t // c), 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
+    w = torch.randn(1, 2, t, 4, generator=gen, dtype=torch.float64)
+    w[:, :, :q0] = 0  # only the rows the offset call computes
+    whole = parts_attention(q, k, v, ck, cv, CausalPlan(t, c, e, torch.float64), 0.5)
+    expect = torch.autograd.grad((whole * w).sum(), (q, k, v, ck, cv))
+    part = parts_attention(q[:, :, q0:], k, v, ck, cv, CausalPlan(t - q0, c, e, torch.float64, q0=q0), 0.5)
+    grads = torch.autograd.grad((part * w[:, :, q0:]).sum(), (q, k, v, ck, cv))
+    torch.testing.assert_close(part, whole[:, :, q0:], rtol=1e-12, atol=1e-12)
+    for g, x in zip(grads, expect, strict=True):
+        torch.testing.assert_close(g, x, rtol=1e-12, atol=1e-12)

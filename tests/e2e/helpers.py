@@ -37,11 +37,13 @@ def torchrun(nproc: int, args: list[str], *, timeout: int = 300) -> subprocess.C
     return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env())
 
 
-def run_sequence(nproc: int, runs: dict[str, list[str]], status: Path, *, timeout: int = 900) -> dict[str, str]:
+def run_sequence(
+    nproc: int, runs: dict[str, list[str]], status: Path, *, timeout: int = 900, env: dict[str, str] | None = None
+) -> dict[str, str]:
     """Training runs (name -> ``--set`` arguments on tiny.toml, or ``["--config", FILE, "--set", ...]``), one after
     another in one process per rank: under torchrun (``--standalone``, the launch script's form) with ``nproc`` > 0,
     in a fresh interpreter with 0. Returns {name: "ok" | the error}, and "launch: ..." with the launch's diagnosis
-    for each run that never reported."""
+    for each run that never reported. ``env``: extra environment variables of every rank."""
     spec = status.with_suffix(".spec.json")
     spec.write_text(json.dumps({"runs": runs, "status": str(status)}))
     module = ["-m", "tests.e2e.run_sequence", str(spec)]
@@ -49,7 +51,7 @@ def run_sequence(nproc: int, runs: dict[str, list[str]], status: Path, *, timeou
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *module]
     else:
         cmd = [sys.executable, *module]
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env=_env())
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})})
     done = json.loads(status.read_text()) if status.is_file() else {}
     return {name: done.get(name) or f"launch: exit {proc.returncode}\n{why(proc)}" for name in runs}
 

@@ -34,6 +34,7 @@ class Case:
     dtype: str = "float32"
     documents: bool = False
     model: bool = False  # a 2-layer Transformer instead of one attention layer
+    ref_impl: str | None = None  # the single-process reference's impl (the same parameters), when not ``impl``
 
 
 def cases() -> list[Case]:
@@ -49,6 +50,8 @@ def cases() -> list[Case]:
         for sc in suite:
             out.append(Case(f"{kind}-{sc.name}-reference", kind, sc.options, "reference", "float64"))
             out.append(Case(f"{kind}-{sc.name}-auto", kind, sc.options, "auto", "float32"))
+            # the fast paths under CP in float64 against the dense reference in one process
+            out.append(Case(f"{kind}-{sc.name}-auto64", kind, sc.options, "auto", "float64", ref_impl="reference"))
         if cls.supports_documents:
             out.append(Case(f"{kind}-documents-reference", kind, {}, "reference", "float64", documents=True))
             out.append(Case(f"{kind}-documents-auto", kind, {}, "auto", "float32", documents=True))
@@ -91,10 +94,16 @@ def layer_case(case: Case, cp: ContextParallel) -> dict[str, float]:
     w = torch.randn(b, 4, t, 8, generator=gen, dtype=dtype)
     docs = documents_of(b, t, gen) if case.documents else None
     leaves = [x.clone().requires_grad_() for x in (q, k, v, hidden)]
-    out = core(*leaves[:3], hidden=leaves[3], positions=torch.arange(t), documents=docs)
+    ref_core = core
+    if case.ref_impl is not None:
+        ref_core = build_attention(case.kind, entry.config_cls(**case.options), spec, case.ref_impl).to(dtype)
+        ref_core.load_state_dict(core.state_dict())
+        ref_core.train()
+    out = ref_core(*leaves[:3], hidden=leaves[3], positions=torch.arange(t), documents=docs)
     loss = (out.output * w).sum() + (out.aux_loss if out.aux_loss is not None else 0.0)
+    ref_params = [p for p in ref_core.parameters() if p.requires_grad]
+    ref_grads = torch.autograd.grad(loss, leaves + ref_params, allow_unused=True)
     params = [p for p in core.parameters() if p.requires_grad]
-    ref_grads = torch.autograd.grad(loss, leaves + params, allow_unused=True)
     core.zero_grad()
 
     def share(x: Tensor, dim: int) -> Tensor:

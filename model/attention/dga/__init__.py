@@ -44,6 +44,7 @@ last query. Either way nothing else is kept: the base cache's raw ``max_len`` bu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -55,6 +56,16 @@ from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.flex import flex_attention_fn, flex_supports
+
+
+@dataclass(frozen=True)
+class CPContext:
+    """What a DGA layer gathers under context parallelism (``cp_context``): the compressed entries of the whole
+    sequence (keys, values) on the parts path, else the whole sequence's queries."""
+
+    entries: tuple[Tensor, Tensor] | None = None
+    queries: Tensor | None = None
+
 
 FLEX_BLOCK = 128  # FlexAttention's block size for the causal form's block mask
 IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
@@ -270,10 +281,16 @@ class DynamicGroupAttention(GroupedKVCache):
         return self._compress_sequence(q, k, v)
 
     # ---- context parallelism ------------------------------------------------------------
-    # Compressing key chunk j reads the queries of chunks j and j + 1 (importance samples, each group's last
-    # query), which live on other ranks: under CP the queries are gathered too (Q, K and V: 3 tensors of the
-    # sequence per layer instead of 2), and each CP chunk holds whole DGA chunks (cp_chunk_multiple) so the
-    # chunk-aligned windows and fold points are the single-process ones.
+    # Compressing key chunk j reads chunks j and j + 1 (importance: the sampled queries of both over the keys of
+    # both; aggregation: each group's last query, inside chunk j). Each CP chunk holds whole DGA chunks
+    # (cp_chunk_multiple), so the chunk-aligned windows and fold points are the single-process ones.
+    # Parts path (CPU kernel dtypes, ``impl`` not "reference" / "gathered"): each rank compresses the DGA chunks it
+    # holds (the first DGA chunk of the next CP chunk, queries and keys, comes from an all-gather of C rows per CP
+    # chunk, without gradient: importance is a discrete choice) and the compressed entries (E per chunk) are
+    # all-gathered, autograd-aware; each query chunk then runs ``CausalPlan`` at its offset against the gathered raw
+    # keys and entries. So a rank computes and keeps only its own queries' share (plus the gathered K, V and
+    # entries). Other paths (the dense reference, the gathered form, FlexAttention) gather the queries and compress
+    # every needed chunk on every rank.
     @classmethod
     def cp_chunk_multiple(cls, cfg: DGAConfig) -> int:
         return cfg.chunk_size if cfg.selection == "causal" else 1
@@ -284,13 +301,73 @@ class DynamicGroupAttention(GroupedKVCache):
             return "selection = 'sequence' chooses focal keys from the whole sequence (prefill only); use 'causal'"
         return None
 
-    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Tensor:
-        return gather(q, 2)
+    def _cp_parts(self, q: Tensor) -> bool:
+        """Whether the CP chunks take the parts form (``_fast``'s choice for a whole sequence on the CPU)."""
+        if self.impl in ("reference", "gathered") or self.cfg.selection != "causal" or flex_supports(q):
+            return False
+        return q.device.type == "cpu" and not torch.compiler.is_compiling() and q.dtype in KERNEL_DTYPES
+
+    def cp_context(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+    ) -> CPContext:
+        if positions is None or not self._cp_parts(q):
+            return CPContext(queries=gather(q, 2))
+        return CPContext(entries=self._cp_entries(q, k, v, gather, positions))
+
+    def _cp_entries(
+        self, q: Tensor, k: Tensor, v: Tensor, gather: CPGather, positions: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """The compressed entries of the whole sequence [B, Hq, (T / C) E, D] (keys, values; chunks that no query
+        sees are zeros), each rank compressing the DGA chunks of its own two CP chunks."""
+        c, e = self.cfg.chunk_size, self._entries_per_chunk()
+        hq = q.shape[1]
+        k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
+        b, _, t_local, d = q.shape
+        s = t_local // 2  # one CP chunk
+        starts = (int(positions[0]), int(positions[s]))
+        t = starts[0] + starts[1] + s  # chunks r and 2 cp - 1 - r: their starts add up to T - s
+        needed = self._needed_chunks(t - 1)  # chunks 0..needed-1 are ever visible
+        # the first DGA chunk of every CP chunk (queries and keys, no gradient), in global order
+        heads = torch.cat([torch.cat([q[:, :, i * s : i * s + c], k[:, :, i * s : i * s + c]], -1) for i in (0, 1)], 2)
+        heads = gather(heads.detach(), 2)  # [B, Hq, 2 cp C, 2 D]
+        n_cp_chunks = heads.shape[2] // c
+        local = []
+        for i, start in enumerate(starts):
+            first, last = start // c, min(start // c + s // c, needed)
+            rows = slice(i * s, (i + 1) * s)
+            if last > first:
+                g = start // s  # this CP chunk's global index
+                nxt = (
+                    heads[:, :, (g + 1) * c : (g + 2) * c] if g + 1 < n_cp_chunks else heads.new_zeros(b, hq, c, 2 * d)
+                )
+                q_ext = torch.cat([q[:, :, rows], nxt[..., :d]], 2)
+                k_ext = torch.cat([k[:, :, rows], nxt[..., d:]], 2)
+                units, offsets = self._causal_units(first, last)
+                comp = self.compress(q_ext, k_ext, v[:, :, rows], units, c, 2 * c, offsets, q_base=start, k_base=start)
+                avail = ((units + 2 * c).to(q.device))[:, None]
+                ck, cv, _ = comp.entries(avail, avail)
+                local.append(torch.cat([ck, cv], -1))
+            pad = s // c - max(0, last - first)  # chunks no query sees (the last two of the sequence)
+            if pad:
+                local.append(q.new_zeros(b, hq, pad * e, 2 * d))
+        entries = gather(torch.cat(local, 2), 2)
+        return entries[..., :d].contiguous(), entries[..., d:].contiguous()
 
     def cp_attend(
-        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Tensor
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: CPContext
     ) -> AttnOut:
-        q_keys = context[:, :, : k.shape[2]]
+        if context.entries is not None:
+            hq = q.shape[1]
+            k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
+            ck, cv = context.entries
+            plan = CausalPlan(q.shape[2], self.cfg.chunk_size, self._entries_per_chunk(), q.dtype, q0=int(q_pos[0]))
+            out = parts_attention(q, k, v, ck, cv, plan, self.scale)
+            b = q.shape[0]
+            return AttnOut(
+                out, stats=self._stats(self._causal_counts(b, hq, q_pos), q_pos) if self.collect_stats else {}
+            )
+        assert context.queries is not None  # cp_context gives one of the two
+        q_keys = context.queries[:, :, : k.shape[2]]
         if self.impl == "reference":
             return self._reference(q, q_keys, k, v, q_pos, k_pos)
         return self._fast(q, q_keys, k, v, q_pos)
@@ -361,15 +438,20 @@ class DynamicGroupAttention(GroupedKVCache):
         b, h = comp.focal_pos.shape[:2]
         p = q_pos.to(avail.device)
         if self.cfg.selection == "causal":
-            c = self.cfg.chunk_size
-            lo = torch.clamp((p // c - 1) * c, min=0)
-            seen = torch.clamp(p // c - 1, min=0) * self._entries_per_chunk()
-            return (seen + p - lo + 1).expand(b, h, -1)
+            return self._causal_counts(b, h, p)
         m = self.cfg.group_size
         entries = torch.searchsorted(avail.sort(-1).values, p.expand(b, h, -1).contiguous(), right=True)
         nonfocal = comp.members.reshape(b, h, -1).contiguous()
         open_members = torch.searchsorted(nonfocal, p.expand(b, h, -1).contiguous(), right=True) % m
         return entries + open_members
+
+    def _causal_counts(self, b: int, h: int, q_pos: Tensor) -> Tensor:
+        """Keys each query at ``q_pos`` sees in the causal form (statistics): its own and the previous chunk up to
+        it, and the entries of the chunks before those. [B, H, Tq]."""
+        c, p = self.cfg.chunk_size, q_pos
+        lo = torch.clamp((p // c - 1) * c, min=0)
+        seen = torch.clamp(p // c - 1, min=0) * self._entries_per_chunk()
+        return (seen + p - lo + 1).expand(b, h, -1)
 
     def _attend(
         self, qb: Tensor, qpos_b: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, lk: Tensor, lv: Tensor, lmask: Tensor

@@ -8,9 +8,10 @@ backward per part with the merged output O and logsumexp L of the whole row (the
 D_i = dO_i . O_i are the full row's), so the parts' gradients add up exactly; they flow on to q, k, v and to the
 compressed entries (whose aggregation weights carry them to q and k through autograd).
 
-Causal form (``causal_parts``): query chunk j reads its own chunk (the kernel's causal mask), the previous chunk
+Causal form (``CausalPlan``): query chunk j reads its own chunk (the kernel's causal mask), the previous chunk
 (unmasked) and the first ``E (j - 1)`` compressed entries (chunks <= j - 2, unmasked). The first two are one call
-each for all whole chunks, as strided views ``[B * H, n, C, D]`` of q, k and v (no copies).
+each for all whole chunks, as strided views ``[B * H, n, C, D]`` of q, k and v (no copies). The queries may start
+at a chunk boundary inside the keys (context parallelism: a rank's chunk against the gathered keys and entries).
 Sequence form (``SequencePlan``): entries sorted by the position from which they are visible, so a query block reads
 a prefix unmasked, the few entries that become visible inside the block with a mask, and the raw members of the
 groups still open in the block with a mask (both masks O(block x (block + group span))).
@@ -70,16 +71,20 @@ class Plan:
 
 
 class CausalPlan(Plan):
-    """Causal form: T queries from position 0, chunks of C, E compressed entries per chunk (chunk u's visible from
-    chunk u + 2 on, stored chunk after chunk).
+    """Causal form: T queries from position ``q0`` (a multiple of C: 0 for a whole sequence, a context-parallel
+    chunk's start otherwise) against the raw keys from position 0 and E compressed entries per chunk (chunk u's
+    visible from chunk u + 2 on, stored chunk after chunk). Query rows are local (position - q0); raw key rows and
+    entries are global.
 
     The compressed parts go by groups of G = COMPRESSED_ROWS / C query chunks (few kernel calls: on a loaded machine
     every parallel call waits on the slowest thread): the entries every chunk of the group sees (chunks <= j0 - 2)
     unmasked, then the staircase of the G - 1 chunks after them with one mask shared by all groups. The raw parts
     (own chunk causal, previous chunk whole) are one call each for all whole chunks."""
 
-    def __init__(self, t: int, chunk: int, per_chunk: int, dtype: torch.dtype):
-        self.t, self.c, self.e, self.dtype = t, chunk, per_chunk, dtype
+    def __init__(self, t: int, chunk: int, per_chunk: int, dtype: torch.dtype, q0: int = 0):
+        if q0 % chunk:
+            raise ValueError(f"causal parts: the first query position {q0} is not a multiple of the chunk {chunk}")
+        self.t, self.c, self.e, self.dtype, self.q0 = t, chunk, per_chunk, dtype, q0
         self.group = max(1, COMPRESSED_ROWS // chunk)
         self._masks: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}
 
@@ -93,20 +98,22 @@ class CausalPlan(Plan):
         return self._masks[key]
 
     def parts(self, device: torch.device | None = None) -> Iterator[Part]:
-        t, c, e = self.t, self.c, self.e
-        nf, n_chunks = t // c, -(-t // c)
+        t, c, e, q0 = self.t, self.c, self.e, self.q0
+        nf, n_chunks = t // c, -(-t // c)  # local query chunks
         tf = nf * c
+        j_first = q0 // c  # global index of the first query chunk
         if nf >= 1:  # own chunk, causal, every whole chunk in one call (first: its output becomes the buffer)
-            yield Part(Span(0, tf, c), Span(0, tf, c), causal=True, first=True)
+            yield Part(Span(0, tf, c), Span(q0, q0 + tf, c), causal=True, first=True)
         if tf < t:  # a partial last chunk
-            yield Part(Span(tf, t), Span(tf, t), causal=True, first=True)
-            if nf >= 1:
-                yield Part(Span(tf, t), Span(tf - c, tf))
-        if nf >= 2:  # the previous chunk, whole
-            yield Part(Span(c, tf, c), Span(0, tf - c, c))
-        for j0 in range(2, n_chunks, self.group):  # compressed chunks <= j - 2 for query chunk j
-            j1 = min(j0 + self.group, n_chunks)
-            rows = Span(j0 * c, min(j1 * c, t))
+            yield Part(Span(tf, t), Span(q0 + tf, q0 + t), causal=True, first=True)
+            if q0 + tf >= c:
+                yield Part(Span(tf, t), Span(q0 + tf - c, q0 + tf))
+        a = 1 if j_first == 0 else 0  # the first local chunk with a previous chunk
+        if nf > a:  # the previous chunk, whole
+            yield Part(Span(a * c, tf, c), Span(q0 + (a - 1) * c, q0 + tf - c, c))
+        for j0 in range(max(2, j_first), j_first + n_chunks, self.group):  # compressed chunks <= j - 2 for chunk j
+            j1 = min(j0 + self.group, j_first + n_chunks)
+            rows = Span(j0 * c - q0, min(j1 * c - q0, t))
             yield Part(rows, Span(0, e * (j0 - 1)), compressed=True)
             if j1 - j0 > 1:
                 mask, nonempty = self._staircase(rows.hi - rows.lo, e * (j1 - j0 - 1), device or torch.device("cpu"))

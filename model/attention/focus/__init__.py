@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from core.errors import ConfigError, check_choice, check_min, check_range
 from model.attention import reference as ref
@@ -62,6 +63,7 @@ LAMBDA_SCHEDULES = ("constant", "linear", "cosine")
 ENTROPY_WHEN = ("centroid_phase", "always")
 MAX_GROUPS = 62  # memberships are int64 bitmasks
 STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
+STATS_BLOCK = 1 << 18  # (query row, key) pairs of the pair statistics computed at once
 
 
 @dataclass
@@ -331,9 +333,17 @@ class FocusAttention(Attention):
     # group masses; sequence scope: all tokens), and the gate reads every key's assignment. Under CP each rank
     # gathers the per-token group scores [B, T, K] (K floats a token, next to K and V's 2 Hkv D) and runs the
     # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
-    # scores goes back to the rank that owns the token through the gather's reduce-scatter.
-    def cp_context(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather) -> Any:
-        return self.assign_whole(gather(self.group_scores(hidden), 1))
+    # scores goes back to the rank that owns the token through the gather's reduce-scatter. Every rank runs it over
+    # the whole sequence, so its intermediates (10 iterations of [B, T, K], partly float64) would not shrink with
+    # cp: they are recomputed in the backward instead (non-reentrant checkpoint: the same values), and a rank keeps
+    # only the gathered scores and assignments.
+    def cp_context(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+    ) -> Any:
+        scores = gather(self.group_scores(hidden), 1)
+        if torch.is_grad_enabled() and scores.requires_grad and not torch.compiler.is_compiling():
+            return checkpoint(self.assign_whole, scores, use_reentrant=False)
+        return self.assign_whole(scores)
 
     def cp_attend(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
@@ -519,18 +529,30 @@ class FocusAttention(Attention):
         """Mean gate on distant pairs (soft) or the share of causal pairs kept (hard), on sampled query rows."""
         rows = torch.arange(0, g_q.shape[1], max(1, g_q.shape[1] // STATS_ROWS), device=g_q.device)
         g_q, q_pos = g_q[:, rows], q_pos[rows]
-        causal = ref.causal_mask(q_pos, k_pos)
+        # sampled rows in blocks of at most STATS_BLOCK pairs: the [B, rows, Tk] temporaries would otherwise be a
+        # fixed cost the size of a layer's activations at long context (and not split by context parallelism)
+        step = max(1, STATS_BLOCK // max(1, k_pos.numel()))
+        total, count = torch.zeros((), dtype=torch.float64, device=g_q.device), 0
+        causal_count = torch.zeros((), dtype=torch.long, device=g_q.device)
+        for lo in range(0, q_pos.numel(), step):
+            gq, qp = g_q[:, lo : lo + step], q_pos[lo : lo + step]
+            causal = ref.causal_mask(qp, k_pos)
+            if self.cfg.mode == "hard":
+                bits_q, bits_k = membership_bits(gq, self.cfg.top_k), membership_bits(g_k, self.cfg.top_k)
+                total = total + hard_mask(bits_q, bits_k, qp, k_pos, self.cfg.window).sum()
+                causal_count = causal_count + causal.sum() * gq.shape[0]
+                continue
+            gate, distant = self.gate_logits(gq, g_k, qp, k_pos)
+            if self.cfg.gate == "additive":
+                gate = gate.exp()
+            pairs = distant & causal
+            total = total + gate[:, pairs].sum(dtype=torch.float64)
+            count += int(pairs.sum()) * gq.shape[0]
         if self.cfg.mode == "hard":
-            bits_q, bits_k = membership_bits(g_q, self.cfg.top_k), membership_bits(g_k, self.cfg.top_k)
-            kept = hard_mask(bits_q, bits_k, q_pos, k_pos, self.cfg.window)
-            return {"pairs_kept": kept.sum() / (causal.sum() * kept.shape[0])}
-        gate, distant = self.gate_logits(g_q, g_k, q_pos, k_pos)
-        if self.cfg.gate == "additive":
-            gate = gate.exp()
-        pairs = distant & causal
-        if not bool(pairs.any()):
+            return {"pairs_kept": (total / causal_count).to(torch.get_default_dtype())}
+        if not count:
             return {}
-        return {"gate_distant": gate[:, pairs].mean()}
+        return {"gate_distant": (total / count).to(g_q.dtype)}
 
     def _stability(self, g: Tensor) -> dict[str, Tensor]:
         """Share of the reference batch's tokens whose argmax group is the same as at the last pass."""
