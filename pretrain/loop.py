@@ -118,6 +118,8 @@ class Trainer:
         """Everything that can fail on bad input runs before the run directory is touched; the
         directory is written only after the resume (if any) has been validated."""
         cfg = self.cfg
+        for line in cfg.train.warnings():
+            self._say(f"warning: {line}")
         self.device = prepare_device(cfg.train)
         seed_everything(cfg.train.seed)
         with rank_zero_first():

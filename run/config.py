@@ -128,6 +128,16 @@ class TrainConfig:
         """``[train.<engine>]``'s options."""
         return self.engine_options[engine]
 
+    def warnings(self) -> list[str]:
+        """Settings that run but are likely mistakes, one line each (the trainer prints them as warnings)."""
+        out = []
+        if self.warmup_steps > self.max_steps:
+            out.append(
+                f"train.warmup_steps={self.warmup_steps} exceeds train.max_steps={self.max_steps}: the learning rate "
+                f"never reaches train.lr (it stops at {self.max_steps / self.warmup_steps:.0%} of it)"
+            )
+        return out
+
     def validate(self) -> None:
         check_choice("train.engine", self.engine, ENGINE_SPECS)
         for name in ("max_steps", "batch_size", "log_every"):
