@@ -383,3 +383,14 @@ def test_longbench_e_buckets(tmp_path, official):
     assert "0-4k" not in run_longbench(plain, fake, progress=False)["hotpotqa"]
     assert run_longbench(plain, fake, progress=False, e=True)["hotpotqa"]["4-8k"] == 0.0
     assert run_longbench(plain, fake, progress=False, limit=1)["hotpotqa"] == {"score": 100.0, "n": 1}
+
+
+def test_shipped_sample_is_what_its_script_builds_from_the_offline_data(shared_data):
+    """eval/longbench_samples/hotpotqa_e.jsonl (the README's longbench:FILE) loads in the official schema with one
+    row per LongBench-E length range, and eval.longbench_sample rebuilds it byte for byte from ../shared/data."""
+    from eval.longbench_sample import SAMPLE, SOURCE, render, sample_rows
+
+    rows = load_longbench(SAMPLE)
+    assert [length_bucket(r["length"]) for r in rows] == ["0-4k", "4-8k", "8k+"]
+    assert all(r["dataset"] == "hotpotqa" and r["answers"][0] in r["context"] for r in rows)
+    assert render(sample_rows(shared_data / SOURCE)) == SAMPLE.read_text(encoding="utf-8")
