@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.cache import cache_root
 from core.errors import ConfigError, check_choice, check_min, check_range
 from data.stream_config import WEIGHTINGS, StreamConfig
 
@@ -151,5 +151,4 @@ class DataConfig:
     def cache_path(self) -> Path:
         if self.cache_dir:
             return Path(self.cache_dir).expanduser()
-        env = os.environ.get("FOCUSED_PRETRAIN_CACHE")
-        return Path(env).expanduser() if env else Path.home() / ".cache" / "focused-pretrain"
+        return cache_root()

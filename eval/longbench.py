@@ -168,8 +168,8 @@ def prompt_budget(generator: Generator, dataset: str) -> int:
     budget = generator.max_context - MAX_NEW_TOKENS[dataset]
     if budget < 1:
         raise ConfigError(
-            f"longbench: generator max_context {generator.max_context} leaves no room for a prompt beside "
-            f"{dataset}'s {MAX_NEW_TOKENS[dataset]} new tokens"
+            f"longbench: a generation context of {generator.max_context} tokens leaves no room for a prompt beside "
+            f"{dataset}'s {MAX_NEW_TOKENS[dataset]} new tokens; raise it with --max-context"
         )
     return budget
 

@@ -20,7 +20,10 @@ Tasks:
 - lm-eval tasks (hellaswag, arc_easy, arc_challenge, piqa, winogrande, boolq, social_iqa,
   lambada_openai, wikitext) from local files under ``--data-dir``.
 
-Generation tasks all decode through ``eval.generation.TextGenerator`` (KV cache, greedy). With
+Every task and length is checked against the model before any task runs (the grid tasks' prompts are built
+and sized first); if a task still fails, the results of those that ran are written before the error. A
+length beyond the run's ``data.seq_len`` gets one warning line. Generation tasks all decode through
+``eval.generation.TextGenerator`` (KV cache, greedy). With
 ``--run``, the run's loss curves (and Focus group sizes, when logged) are plotted too.
 """
 
@@ -241,7 +244,8 @@ def lm_eval_tasks() -> tuple[str, ...]:
     return tuple(LOCAL_TASKS)
 
 
-GRID_TASKS = "needle / kv_retrieval / rag"  # the tasks run over a grid of prompt lengths x depths
+GRID = ("needle", "kv_retrieval", "rag")  # the tasks run over a grid of prompt lengths x depths
+GRID_TASKS = " / ".join(GRID)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -316,35 +320,91 @@ def _build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _synthetic(
-    task: str,
-    gen: TextGenerator,
-    args: argparse.Namespace,
-    lengths: list[int] | None,
-    depths: list[float],
-    out: Path,
-) -> dict:
+def _new_tokens(task: str) -> int:
+    from eval.synthetic.common import KV_NEW_TOKENS, NEEDLE_NEW_TOKENS, RAG_NEW_TOKENS
+
+    return {"needle": NEEDLE_NEW_TOKENS, "kv_retrieval": KV_NEW_TOKENS, "rag": RAG_NEW_TOKENS}[task]
+
+
+def _grid_samples(task: str, gen: TextGenerator, args: argparse.Namespace, lengths: list[int] | None,
+                  depths: list[float]) -> list:  # fmt: skip
+    """``task``'s prompts, built and sized with the model's tokenizer (so every length is checked before any
+    task runs)."""
+    from eval import synthetic
+    from eval.synthetic.common import _check_lengths
+
+    lengths = _check_lengths(lengths, gen.max_context)
+    common = dict(lengths=lengths, depths=depths, samples=args.samples, seed=args.seed)
+    new = _new_tokens(task)
+    if task == "needle":
+        return synthetic.needle_samples(
+            gen.encode, kind=args.needle_kind, haystack=args.haystack, haystack_dir=args.haystack_dir,
+            max_new_tokens=new, **common,
+        )  # fmt: skip
+    if task == "kv_retrieval":
+        return synthetic.kv_samples(gen.encode, data_file=args.kv_file, max_new_tokens=new, **common)
+    if not args.rag_file:
+        raise ConfigError(
+            "--rag-file: required by the rag task (an NQ-open oracle jsonl(.gz) with question, answers and ctxs)"
+        )
+    return synthetic.rag_samples(gen.encode, data_file=args.rag_file, max_new_tokens=new, **common)
+
+
+def _synthetic(task: str, gen: TextGenerator, items: list, args: argparse.Namespace, out: Path) -> dict:
     from eval import synthetic
     from eval.plots import plot_needle_heatmap
 
-    common = dict(lengths=lengths, depths=depths, samples=args.samples, seed=args.seed, progress=not args.no_progress)
-    if task == "needle":
-        result = synthetic.run_needle(
-            gen, kind=args.needle_kind, haystack=args.haystack, haystack_dir=args.haystack_dir, **common
-        )
-    elif task == "kv_retrieval":
-        result = synthetic.run_kv_retrieval(gen, data_file=args.kv_file, **common)
-    else:
-        if not args.rag_file:
-            raise ConfigError(
-                "--rag-file: required by the rag task (an NQ-open oracle jsonl(.gz) with question, answers and ctxs)"
-            )
-        result = synthetic.run_rag(gen, data_file=args.rag_file, **common)
+    stop = ("\n",) if task == "rag" else ()  # HELMET stops RAG answers at a newline
+    result = synthetic.evaluate_samples(
+        gen, items, max_new_tokens=_new_tokens(task), stop=stop, progress=not args.no_progress
+    )
     result["plot"] = str(
         plot_needle_heatmap(result["grid"], out.with_suffix(f".{task}.png"), title=f"{task}: score by depth and length")
     )
     print(f"{task}: score {result['score']:.1f} over {result['n']} prompts")
     return result
+
+
+def preflight(
+    tasks: list[str],
+    harness_tasks: list[str],
+    args: argparse.Namespace,
+    gen: TextGenerator,
+    context_lengths: list[int] | None,
+    depths: list[float],
+) -> dict[str, list]:
+    """Every requested task checked against the model before any runs, so that a bad length or file fails in
+    seconds rather than after the tasks before it: the grid tasks' prompts are built and sized (returned, by
+    task), LongBench files read and their prompt budgets checked, lm-eval data files located."""
+    samples = {task: _grid_samples(task, gen, args, context_lengths, depths) for task in tasks if task in GRID}
+    for task in tasks:
+        if task.startswith(LONGBENCH_PREFIX):
+            from eval.longbench import load_longbench, official_metrics, prompt_budget
+
+            for dataset in dict.fromkeys(row["dataset"] for row in load_longbench(task[len(LONGBENCH_PREFIX) :])):
+                prompt_budget(gen, dataset)
+            official_metrics()
+    if harness_tasks:
+        from eval.lm_tasks import check_tasks, task_source
+        from run.config import resolve_data_dir
+
+        root = resolve_data_dir(args.data_dir)
+        for name in check_tasks(harness_tasks):
+            task_source(name, root)
+    return samples
+
+
+def longest_input(tasks: list[str], args: argparse.Namespace, samples: dict[str, list], train_length: int) -> int:
+    """The longest input (in tokens) the requested tasks give the model: the grid tasks' prompt lengths,
+    ``ppl_length``'s lengths, ``--ppl-length``, and ``--max-context`` when given for LongBench / lm-eval tasks."""
+    lengths = [s.length for items in samples.values() for s in items]
+    if "ppl_length" in tasks:
+        lengths += [max(1, int(train_length * m)) for m in _numbers(args.lengths, "--lengths")]
+    if "ppl" in tasks and args.ppl_data and args.ppl_length:
+        lengths.append(args.ppl_length)
+    if args.max_context and any(t not in TASKS for t in tasks):  # LongBench and lm-eval prompts fill the budget
+        lengths.append(args.max_context)
+    return max(lengths, default=0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -376,6 +436,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --out: cannot create {out.parent} ({exc.strerror or exc})", file=sys.stderr)
         return 2
     gen = TextGenerator(model, tokenizer, device=device, max_context=args.max_context or None)
+    try:
+        samples = preflight(tasks, harness_tasks, args, gen, context_lengths, depths)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    longest = longest_input(tasks, args, samples, cfg.data.seq_len)
+    if longest > cfg.data.seq_len:
+        print(
+            f"warning: evaluating at up to {longest} tokens, beyond the {cfg.data.seq_len} the run trained at "
+            "(data.seq_len): scores there measure length extrapolation",
+            file=sys.stderr,
+        )
     try:
         needs_corpus = (
             {"ppl_length"}
@@ -444,8 +516,8 @@ def main(argv: list[str] | None = None) -> int:
                     device=device,
                 )
                 print(f"sample:\n{args.prompt}{results['sample']['text']}")
-            elif task in ("needle", "kv_retrieval", "rag"):
-                results[task] = _synthetic(task, gen, args, context_lengths, depths, out)
+            elif task in GRID:
+                results[task] = _synthetic(task, gen, samples[task], args, out)
             elif task.startswith(LONGBENCH_PREFIX):
                 from eval.longbench import run_longbench
 
@@ -469,6 +541,9 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{task}: " + ", ".join(shown))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        if len(results) > 2:  # beyond checkpoint and step: the tasks that ran are kept
+            atomic_write_text(out, json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
+            print(f"results of the tasks that ran written to {out}", file=sys.stderr)
         return 2
     if args.run:
         results["plots"] = _run_plots(Path(args.run), out)

@@ -125,6 +125,8 @@ class Trainer:
         """Everything that can fail on bad input runs before the run directory is touched; the
         directory is written only after the resume (if any) has been validated."""
         cfg = self.cfg
+        for line in cfg.train.warnings():
+            self._say(f"warning: {line}")
         self.device = prepare_device(cfg.train)
         if self.measure_memory and self.device.type == "cpu":
             fix_malloc_for_rss()  # the resident set then follows the live tensors (bench.memory's method)

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from core import configlib
+from core.cache import cache_root, default_eval_data
 from core.device import check_device_name
 from core.errors import ConfigError, check_choice, check_min, check_range
 from data.config import DataConfig
@@ -31,21 +32,24 @@ LM_EVAL_TASKS = (
     "wikitext",
 )
 EVAL_DATA_ENV = "FOCUSED_PRETRAIN_EVAL_DATA"
-DEFAULT_DATA_DIR = "~/.cache/focused_pretrain/eval_data"  # used when it exists and nothing else is given
+DEFAULT_DATA_DIR = "<cache root>/eval_data"  # core.cache: used when it exists and nothing else is given
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 NONFINITE_POLICIES = ("stop", "skip")
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
-    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA, else DEFAULT_DATA_DIR when it exists; a directory."""
+    """``data_dir``, else $FOCUSED_PRETRAIN_EVAL_DATA, else ``<cache root>/eval_data`` when it exists (core.cache:
+    ``$FOCUSED_PRETRAIN_CACHE`` or ``~/.cache/focused-pretrain``; the old underscore-spelled folder is still read,
+    with a note); a directory."""
     raw = data_dir if data_dir is not None else os.environ.get(EVAL_DATA_ENV)
     if not raw:
-        if Path(DEFAULT_DATA_DIR).expanduser().is_dir():
-            return Path(DEFAULT_DATA_DIR).expanduser()
+        default = default_eval_data()
+        if default is not None:
+            return default
         raise ConfigError(
-            f"data_dir: not given and ${EVAL_DATA_ENV} is unset (nor is there {DEFAULT_DATA_DIR}); pass the eval data "
-            "directory, laid out like the offline bundle (docs/eval.md)"
+            f"data_dir: not given and ${EVAL_DATA_ENV} is unset (nor is there {cache_root() / 'eval_data'}); pass the "
+            "eval data directory, laid out like the offline bundle (docs/eval.md)"
         )
     path = Path(raw).expanduser()
     if not path.is_dir():
@@ -123,6 +127,16 @@ class TrainConfig:
     def options(self, engine: str) -> Any:
         """``[train.<engine>]``'s options."""
         return self.engine_options[engine]
+
+    def warnings(self) -> list[str]:
+        """Settings that run but are likely mistakes, one line each (the trainer prints them as warnings)."""
+        out = []
+        if self.warmup_steps > self.max_steps:
+            out.append(
+                f"train.warmup_steps={self.warmup_steps} exceeds train.max_steps={self.max_steps}: the learning rate "
+                f"never reaches train.lr (it stops at {self.max_steps / self.warmup_steps:.0%} of it)"
+            )
+        return out
 
     def validate(self) -> None:
         check_choice("train.engine", self.engine, ENGINE_SPECS)

@@ -136,7 +136,10 @@ def _check_lengths(lengths: Sequence[int] | None, max_context: int | None) -> li
     for length in out:
         check_min("--context-lengths", length, 1)
         if max_context is not None and length > max_context:
-            raise ConfigError(f"--context-lengths: {length} exceeds the model's context of {max_context} tokens")
+            raise ConfigError(
+                f"--context-lengths: {length} exceeds the generation context of {max_context} tokens; raise it with "
+                f"--max-context {length} (default model.max_seq_len)"
+            )
     return out
 
 
@@ -179,7 +182,10 @@ class PromptTooShort(ConfigError):
     def __init__(self, length: int, what: str, tokens: int, new: int):
         self.length = length
         self.need = f"{what}: its prompt needs {tokens} tokens without filler, plus {new} new tokens"
-        super().__init__(f"--context-lengths: {length} is too short for {self.need}")
+        super().__init__(
+            f"--context-lengths: {length} is too short for {self.need}; give longer --context-lengths (past the "
+            "model's context with --max-context)"
+        )
 
 
 def _too_short(length: int, what: str, tokens: int, new: int) -> PromptTooShort:

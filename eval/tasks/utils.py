@@ -4,7 +4,7 @@ unchanged.
 
 ``<task>_dataset(data_dir=None, **metadata)``: lm_eval passes the task's metadata (the YAML's, then
 ``--metadata`` / ``TaskManager(metadata=...)``, which win); the data directory is ``data_dir``, else
-$FOCUSED_PRETRAIN_EVAL_DATA, else ~/.cache/focused_pretrain/eval_data (``eval.harness.local_dataset``).
+$FOCUSED_PRETRAIN_EVAL_DATA, else ~/.cache/focused-pretrain/eval_data (``eval.harness.local_dataset``).
 ``eval.harness.render_tasks`` copies this file next to copies of the YAMLs with ``data_dir`` filled in
 (``!function utils.x`` resolves relative to the YAML). lm_eval calls process_docs each time it asks for
 the documents; results are kept in memory per input dataset (its fingerprint) rather than in datasets'

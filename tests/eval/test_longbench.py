@@ -354,7 +354,7 @@ def test_prompt_is_filled_and_middle_truncated(tmp_path, official):
 def test_no_room_for_prompt_and_missing_scorer_fail_before_generating(tmp_path, monkeypatch, official):
     path = write_jsonl(tmp_path / "g.jsonl", [row("gov_report", ["s"], key="g")])
     fake = FakeGenerator(lambda _: "s", max_context=512)
-    with pytest.raises(ConfigError, match="max_context 512 leaves no room"):
+    with pytest.raises(ConfigError, match="context of 512 tokens leaves no room .* raise it with --max-context"):
         run_longbench(path, fake, progress=False)
     _without_lm_eval_metrics(monkeypatch, "jieba")
     en = write_jsonl(tmp_path / "en.jsonl", [row("hotpotqa", ["a"], key="h")])  # jieba is needed for any dataset
@@ -383,3 +383,14 @@ def test_longbench_e_buckets(tmp_path, official):
     assert "0-4k" not in run_longbench(plain, fake, progress=False)["hotpotqa"]
     assert run_longbench(plain, fake, progress=False, e=True)["hotpotqa"]["4-8k"] == 0.0
     assert run_longbench(plain, fake, progress=False, limit=1)["hotpotqa"] == {"score": 100.0, "n": 1}
+
+
+def test_shipped_sample_is_what_its_script_builds_from_the_offline_data(shared_data):
+    """eval/longbench_samples/hotpotqa_e.jsonl (the README's longbench:FILE) loads in the official schema with one
+    row per LongBench-E length range, and eval.longbench_sample rebuilds it byte for byte from ../shared/data."""
+    from eval.longbench_sample import SAMPLE, SOURCE, render, sample_rows
+
+    rows = load_longbench(SAMPLE)
+    assert [length_bucket(r["length"]) for r in rows] == ["0-4k", "4-8k", "8k+"]
+    assert all(r["dataset"] == "hotpotqa" and r["answers"][0] in r["context"] for r in rows)
+    assert render(sample_rows(shared_data / SOURCE)) == SAMPLE.read_text(encoding="utf-8")

@@ -46,14 +46,27 @@ def test_create_from_arg_obj_and_string(run_dir):
         FocusedLM.create_from_arg_obj({"run": str(run_dir), "colour": "red"})
 
 
-def test_data_dir_from_metadata_env_or_default(tmp_path, monkeypatch):
+def test_data_dir_from_metadata_env_or_default(tmp_path, monkeypatch, capsys):
+    """The default is eval_data in the one cache root (the data cache's); the old underscore folder is read with
+    a note; $FOCUSED_PRETRAIN_CACHE moves the root."""
     monkeypatch.delenv("FOCUSED_PRETRAIN_EVAL_DATA", raising=False)
-    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/focused_pretrain/eval_data
+    monkeypatch.delenv("FOCUSED_PRETRAIN_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.cache/focused-pretrain/eval_data
     with pytest.raises(ConfigError, match=r"^data_dir: not given and \$FOCUSED_PRETRAIN_EVAL_DATA is unset"):
         resolve_data_dir(None)
-    default = tmp_path / ".cache" / "focused_pretrain" / "eval_data"
+    legacy = tmp_path / ".cache" / "focused_pretrain" / "eval_data"
+    legacy.mkdir(parents=True)
+    assert resolve_data_dir(None) == legacy and "deprecated" in capsys.readouterr().err
+    default = tmp_path / ".cache" / "focused-pretrain" / "eval_data"
     default.mkdir(parents=True)
-    assert resolve_data_dir(None) == default
+    assert resolve_data_dir(None) == default and capsys.readouterr().err == ""
+    from data.config import DataConfig
+
+    assert DataConfig().cache_path == default.parent
+    monkeypatch.setenv("FOCUSED_PRETRAIN_CACHE", str(tmp_path / "elsewhere"))
+    (tmp_path / "elsewhere" / "eval_data").mkdir(parents=True)
+    assert resolve_data_dir(None) == tmp_path / "elsewhere" / "eval_data"
+    assert DataConfig().cache_path == tmp_path / "elsewhere"
     monkeypatch.setenv("FOCUSED_PRETRAIN_EVAL_DATA", str(tmp_path))
     assert resolve_data_dir(None) == tmp_path and resolve_data_dir(str(default)) == default
 

@@ -122,3 +122,10 @@ def test_an_impossible_max_seq_len_is_one_line(overrides, message):
     """Issue 30: GPT-2 tried to allocate 1 TB for max_seq_len=1e9; LLaMA trained on with it."""
     with pytest.raises(ConfigError, match=message):
         load_run_config(REPO / "launch" / "configs" / "tiny.toml", overrides)
+
+
+def test_warmup_longer_than_the_run_is_one_warning_line():
+    """Runs (a smoke test may want it) but says so: the learning rate never reaches train.lr."""
+    assert load_run_config(TINY, ["train.max_steps=200"]).train.warnings() == []
+    (line,) = load_run_config(TINY, ["train.max_steps=5"]).train.warnings()  # tiny.toml: warmup_steps = 20
+    assert line.startswith("train.warmup_steps=20 exceeds train.max_steps=5") and "25%" in line and "\n" not in line
