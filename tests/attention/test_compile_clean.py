@@ -29,10 +29,7 @@ KNOWN_BREAKS: dict[str, str] = {}
 
 
 # Recompiles per length known and left (the trace has no graph break): (variant, mode option) -> why.
-KNOWN_RECOMPILES = {
-    ("focus", "hard"): "its group block-mask tensors specialise on the length (found 2026-11-25, not yet traced "
-    "down: a Python int from the lengths in focus/hard/flex.py); 3 compiles for 3 lengths",
-}
+KNOWN_RECOMPILES: dict[tuple[str, str | None], str] = {}
 
 
 def cases(recompiles: bool = False) -> list:
