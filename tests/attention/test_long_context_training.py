@@ -4,6 +4,7 @@ twenty steps through the blockwise path give finite, falling losses. Prints each
 
 from __future__ import annotations
 
+import resource
 import time
 
 import pytest
@@ -77,4 +78,5 @@ def test_four_layer_model_trains_20_steps_at_8192(kind: str) -> None:
     assert losses[-1] < 0.8 * losses[0] and min(losses[-5:]) < min(losses[:5]), losses
     mib = -1.0 if peak is None else peak / 2**20
     print(f"{kind}: T=8192 20 steps, peak RSS growth {mib:.0f} MiB, losses {losses[0]:.3f} -> {losses[-1]:.3f}")
-    print(f"{kind}: wall {time.perf_counter() - start:.1f} s")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux: the process's peak so far
+    print(f"{kind}: wall {time.perf_counter() - start:.1f} s, process peak RSS {rss:.0f} MiB")

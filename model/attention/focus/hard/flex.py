@@ -7,7 +7,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.flex import cached_block_mask, flex_attention_fn
@@ -64,17 +63,19 @@ def group_block_mask_tensors(
     nk = (nk_slots + block - 1) // block
     pad = nq * block - nq_slots
 
-    def per_block(x: Tensor, fill: int, reduce: str) -> Tensor:
-        x = F.pad(x, (0, pad), value=fill).view(bsz, nq, block)
+    def per_block(x: Tensor, reduce: str) -> Tensor:
+        # padded with copies of the last slot, which lies in the last block: neither reduction changes, and no fill
+        # value is read from the lengths (F.pad's value is a constant: a length there recompiles per length)
+        x = torch.cat([x, x[:, -1:].expand(bsz, pad)], 1).view(bsz, nq, block)
         return x.amin(-1) if reduce == "min" else x.amax(-1)
 
-    lo_blk = per_block(slot_start, nk_slots, "min") // block  # [B, nq]
-    hi_blk = (per_block(hi, 0, "max") - 1).clamp(min=0) // block  # last key block touched
+    lo_blk = per_block(slot_start, "min") // block  # [B, nq]
+    hi_blk = (per_block(hi, "max") - 1).clamp(min=0) // block  # last key block touched
     n_blocks = (hi_blk - lo_blk + 1).clamp(min=0)
     # full blocks: a single-group query block, key blocks inside its group and before its first position
-    g_first, g_last = per_block(group_q, n_groups, "min"), per_block(group_q, -1, "max")
+    g_first, g_last = per_block(group_q, "min"), per_block(group_q, "max")
     single = (g_first == g_last) & full_ok
-    p_first = per_block(pos_q, big, "min")
+    p_first = per_block(pos_q, "min")
     g = g_first.clamp(max=n_groups - 1)
     c_start, c_end = starts_k.gather(1, g), (starts_k + counts_k).gather(1, g)  # the group's key slot range
     # last key slot with position < p_first inside the group: keys of the group at positions <= p_first - 1
