@@ -7,14 +7,27 @@ print it without a traceback and exit with status 2.
 
 from __future__ import annotations
 
+import argparse
 import functools
 import sys
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn
 
 
 class ConfigError(ValueError):
     """Invalid configuration or input, detected before any work starts."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """The CLIs' argument parser: a usage error is one line, ``error: PROG: message`` (``error: message`` with
+    ``name_prog=False``), and exit status 2; argparse's default also prints the usage."""
+
+    def __init__(self, *args: Any, name_prog: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.name_prog = name_prog
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"error: {self.prog}: {message}\n" if self.name_prog else f"error: {message}\n")
 
 
 def check_choice(key: str, value: object, allowed: Iterable[object]) -> None:

@@ -11,7 +11,6 @@ shards hold exactly the token streams ``build_corpus`` would build from the same
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import multiprocessing
@@ -21,12 +20,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import NoReturn
 
 import numpy as np
 from tqdm import tqdm
 
-from core.errors import ConfigError, check_choice, check_min, check_range
+from core.errors import ConfigError, OneLineParser, check_choice, check_min, check_range
 from data.config import SOURCES, DataConfig
 from data.prepare_output import Journal, check_writable, partial_dir, partial_output
 from data.shards import (
@@ -323,13 +321,8 @@ def _cli_message(message: str) -> str:
     return message
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's default also prints the usage)
-        self.exit(2, f"error: {self.prog}: {message}\n")
-
-
 def parse_args(argv: list[str] | None) -> PrepareConfig:
-    p = _Parser(prog="python -m data.prepare", description="Pre-tokenise a corpus into memmap shards.")
+    p = OneLineParser(prog="python -m data.prepare", description="Pre-tokenise a corpus into memmap shards.")
     p.add_argument("--source", choices=SOURCES, default=None, help="default: local with --path, else embedded")
     p.add_argument("--path", default="", help="local: a file, folder (recursive) or glob of .txt / .jsonl / .parquet")
     p.add_argument("--out", required=True, help="folder to write (created atomically)")

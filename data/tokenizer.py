@@ -12,7 +12,6 @@ tokens from there, and ``save`` copies those files along, so a checkpoint keeps 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import io
 import json
@@ -21,9 +20,9 @@ import shutil
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-from core.errors import ConfigError, cli_errors
+from core.errors import ConfigError, OneLineParser, cli_errors
 from data.config import MIN_TRAINED_VOCAB, DataConfig
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
@@ -418,11 +417,6 @@ def get_tokenizer(
 # ---- command line -------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2 (argparse's default also prints the usage)
-        self.exit(2, f"error: {self.prog}: {message}\n")
-
-
 def _read_inputs(paths: list[str]) -> Iterable[str]:
     from data.sources import iter_local
 
@@ -433,8 +427,8 @@ def _read_inputs(paths: list[str]) -> Iterable[str]:
 
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m data.tokenizer", description="Train or apply a tokenizer.")
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    p = OneLineParser(prog="python -m data.tokenizer", description="Train or apply a tokenizer.")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=OneLineParser)
     t = sub.add_parser("train", help="train a SentencePiece model (byte fallback) on text files")
     t.add_argument("--input", nargs="+", required=True, help="files, folders or globs of .txt / .jsonl / .parquet")
     t.add_argument("--vocab-size", type=int, required=True)

@@ -29,10 +29,10 @@ import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from core import configlib
-from core.errors import ConfigError
+from core.errors import ConfigError, OneLineParser
 from core.files import atomic_write_text
 
 if TYPE_CHECKING:
@@ -204,7 +204,7 @@ def activation_bytes(
             kept = micro * tokens * d * a  # the block's input
         else:  # selective: the matmuls' and the attention kernel's outputs are kept, the rest recomputed
             gated = 2 if block.mlp.gate is not None else 1
-            mm = (hq + 2 * hkv) * head_dim + 2 * d + (gated + 0) * ffn + d
+            mm = (hq + 2 * hkv) * head_dim + 2 * d + gated * ffn + d
             kept = micro * (tokens * (mm + hq * head_dim) * a + tokens * hq * 4)
         layers.append((full_layer, kept))
     final = micro * tokens * (_norm_bytes(model.norm_f, d, a) + 4 * cfg.vocab_size + 16)
@@ -218,11 +218,11 @@ def activation_bytes(
 # ---- working memory (estimated) ---------------------------------------------------------------
 
 
-def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: int, accumulate: bool) -> int:
+def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: int, accumulation: int) -> int:
     """FSDP2's gathered bf16 parameters (two blocks in flight, and the root's embeddings and head, which stay
     gathered from the forward to the backward), one block's unsharded gradients (bf16, then float32 for the
-    reduce-scatter), the logits' transients (bf16 logits, their float32 copy's gradient) and, when micro-batches
-    accumulate, the unsharded float32 gradients."""
+    reduce-scatter), the logits' transients (bf16 logits, their float32 copy's gradient) and ``accumulation``: the
+    unsharded float32 gradients when micro-batches accumulate (``StateBytes.accumulation``), else 0."""
     blocks: dict[int, int] = {}
     root = 0
     for p in param_table(model):
@@ -235,9 +235,7 @@ def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: in
     block = max(blocks.values(), default=0)
     out = 2 * (2 * block) + 2 * root + (2 + 4) * block
     out += micro * (seq_len // layout.cp) * model.cfg.vocab_size * (2 + 4)
-    if accumulate:
-        out += max_state_bytes(model, layout).accumulation
-    return out
+    return out + accumulation
 
 
 # ---- the plan ---------------------------------------------------------------------------------
@@ -284,9 +282,9 @@ def candidates(cfg: RunConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layo
 
     out = []
     for tp in _divisors(gpus):
+        if tp > gpus_per_node:
+            continue
         for cp in _divisors(gpus // tp):
-            if tp > gpus_per_node:
-                continue
             train = replace(cfg.train, compile=cfg.train.compile and tp == cp == 1)
             train = replace(train, parallel=replace(cfg.train.parallel, tp=tp, cp=cp))
             try:
@@ -310,8 +308,8 @@ def plan(cfg: RunConfig, gpus: int, memory: int, *, gpus_per_node: int = 8, rese
     out = []
     for layout, micro in candidates(cfg, gpus, gpus_per_node):
         state = max_state_bytes(model, layout)
-        accumulate = cfg.train.batch_size > micro * layout.dp
-        working = working_bytes(model, layout, micro=micro, seq_len=cfg.data.seq_len, accumulate=accumulate)
+        accumulation = state.accumulation if cfg.train.batch_size > micro * layout.dp else 0
+        working = working_bytes(model, layout, micro=micro, seq_len=cfg.data.seq_len, accumulation=accumulation)
         for ac in AC_MODES:
             act = activation_bytes(
                 model,
@@ -400,14 +398,13 @@ def emitted_config(raw: dict, chosen: Estimate) -> dict:
 # ---- the command --------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(prog="python -m launch.plan", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(
+        name_prog=False,
+        prog="python -m launch.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="TOML run config")
     configlib.add_set_argument(p, "dotted override, repeatable")
     p.add_argument("--gpus", type=int, required=True, help="devices in the job")

@@ -13,10 +13,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from core import configlib
-from core.errors import ConfigError
+from core.errors import ConfigError, OneLineParser
 from core.files import atomic_write_text
 
 if TYPE_CHECKING:
@@ -27,15 +27,12 @@ MARKER = "# --- launch.submit writes its settings here ---"
 REPO = TEMPLATE.parents[2]
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(
-        prog="python -m launch.submit", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    p = OneLineParser(
+        name_prog=False,
+        prog="python -m launch.submit",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--config", required=True, help="TOML run config")
     configlib.add_set_argument(p, "dotted override, repeatable")

@@ -35,12 +35,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import torch
 
 from core import configlib
-from core.errors import ConfigError, cli_errors
+from core.errors import ConfigError, OneLineParser, cli_errors
 from core.files import atomic_directory
 
 if TYPE_CHECKING:
@@ -222,14 +222,9 @@ def _import(
     return path
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:  # one line, exit 2
-        self.exit(2, f"error: {self.prog}: {message}\n")
-
-
 @cli_errors
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(
+    p = OneLineParser(
         prog="python -m pretrain.hf_import",
         description=__doc__.split("\n\n", 1)[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
