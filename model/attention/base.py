@@ -230,13 +230,13 @@ class Attention(nn.Module):
         return None
 
     def cp_context(
-        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor
     ) -> Any:
         """What the queries need beyond K and V from the whole sequence, once per layer: built from this
         rank's tensors and ``gather(x, dim)`` (autograd-aware: this rank's tokens -> the whole sequence in
-        global order). ``positions`` [T / cp]: the global positions of this rank's tokens (the driver always passes
-        them; a variant that compresses its own tokens before gathering, as DGA does, reads its chunks off them).
-        Passed to every ``cp_attend`` call of the layer. Default: nothing."""
+        global order). ``positions`` [T / cp]: the global positions of this rank's tokens (a variant that
+        compresses its own tokens before gathering, as DGA does, reads its chunks off them). Passed to every
+        ``cp_attend`` call of the layer. Default: nothing."""
         return None
 
     def cp_attend(

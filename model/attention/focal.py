@@ -95,7 +95,7 @@ class FocalAttention(FullAttention):
     # Under context parallelism the prefix and sequence means read every earlier token's x . w_tau: one scalar per
     # token is gathered (cp_context); the per-query scope and the constant mode need nothing beyond K and V.
     def cp_context(
-        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor
     ) -> Any:
         if self.w_tau is None or self.cfg.scope == "query":
             return None

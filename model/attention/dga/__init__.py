@@ -305,12 +305,12 @@ class DynamicGroupAttention(GroupedKVCache):
         """Whether the CP chunks take the parts form (``_fast``'s choice for a whole sequence on the CPU)."""
         if self.impl in ("reference", "gathered") or self.cfg.selection != "causal" or flex_supports(q):
             return False
-        return q.device.type == "cpu" and not torch.compiler.is_compiling() and q.dtype in KERNEL_DTYPES
+        return self._parts_kernel(q)
 
     def cp_context(
-        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor
     ) -> CPContext:
-        if positions is None or not self._cp_parts(q):
+        if not self._cp_parts(q):
             return CPContext(queries=gather(q, 2))
         return CPContext(entries=self._cp_entries(q, k, v, gather, positions))
 
@@ -403,10 +403,13 @@ class DynamicGroupAttention(GroupedKVCache):
     def _parts_apply(self, q: Tensor, q_pos: Tensor) -> bool:
         """The parts form takes a whole sequence from position 0 (training, uncached prefill) in a kernel dtype
         on the CPU; other calls (and ``impl = "gathered"``, kept as a second reference) gather per query block."""
-        t = q.shape[2]
-        if q.device.type != "cpu" or torch.compiler.is_compiling():  # compile on CPU: the gathered path, as before
-            return False
-        return q.dtype in KERNEL_DTYPES and int(q_pos[0]) == 0 and int(q_pos[-1]) == t - 1
+        return self._parts_kernel(q) and int(q_pos[0]) == 0 and int(q_pos[-1]) == q.shape[2] - 1
+
+    @staticmethod
+    def _parts_kernel(q: Tensor) -> bool:
+        """The fused CPU kernel takes ``q``: on the CPU, in a kernel dtype, not compiling (compiled on the CPU: the
+        gathered path, as before)."""
+        return q.device.type == "cpu" and not torch.compiler.is_compiling() and q.dtype in KERNEL_DTYPES
 
     def _parts_inputs(
         self, comp: Compressed, ck: Tensor, cv: Tensor, avail: Tensor, t: int, dtype: torch.dtype

@@ -338,7 +338,7 @@ class FocusAttention(Attention):
     # cp: they are recomputed in the backward instead (non-reentrant checkpoint: the same values), and a rank keeps
     # only the gathered scores and assignments.
     def cp_context(
-        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor | None = None
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor
     ) -> Any:
         scores = gather(self.group_scores(hidden), 1)
         if torch.is_grad_enabled() and scores.requires_grad and not torch.compiler.is_compiling():
