@@ -478,7 +478,6 @@ class Trainer:
                     aux_sum = out.aux_loss / len(micro) + (0 if aux_sum is None else aux_sum)
                 for key, value in out.stats.items():
                     stats[key] = stats.get(key, 0.0) + value / len(micro)
-        peaks = self._rank_peaks(mem.peak) if self.measure_memory else {}
         grad_norm = self.engine.clip_gradients(self.cfg.train.grad_clip)
         # every rank must agree: one all-reduce (and host sync) of the two checks per step
         nonfinite = self._agree(float(not bool(torch.isfinite(loss_sum))) + float(not bool(torch.isfinite(grad_norm))))
@@ -504,7 +503,8 @@ class Trainer:
         }
         if aux_sum is not None:
             record["aux_loss"] = float(aux_sum)
-        record.update(peaks)
+        if self.measure_memory:  # every rank's peak: one all-reduce, on logging steps only (all ranks log alike)
+            record.update(self._rank_peaks(mem.peak))
         record.update(self._source_tokens())
         if self.corpus.val is not None:
             with self.engine.autocast():

@@ -9,12 +9,12 @@ activation checkpointing: that is the peak of saved activations).
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 
 from launch.plan import Layout, activation_bytes, meta_model, state_bytes
+from pretrain.state_sizes import ENV as STATE_SIZES
 from run.config import load_run_config
 from tests.e2e.helpers import run_sequence
 from tests.e2e.test_train_cli import TINY, overrides
@@ -50,13 +50,9 @@ def _args(root: Path, cache_dir: Path, label: str) -> list[str]:
 def launched(root, cache_dir) -> dict[str, str]:
     """Every layout's run: one launch per process count (2 gloo processes run dp2, tp2 and cp2 in sequence)."""
     status: dict[str, str] = {}
-    os.environ["PRETRAIN_STATE_SIZES"] = "1"
-    try:
-        for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
-            runs = {label: _args(root, cache_dir, label) for label, (n, _, _) in LAYOUTS.items() if n == nproc}
-            status |= run_sequence(nproc, runs, root / f"nproc{nproc}.status.json", timeout=600)
-    finally:
-        del os.environ["PRETRAIN_STATE_SIZES"]
+    for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
+        runs = {label: _args(root, cache_dir, label) for label, (n, _, _) in LAYOUTS.items() if n == nproc}
+        status |= run_sequence(nproc, runs, root / f"nproc{nproc}.status.json", timeout=600, env={STATE_SIZES: "1"})
     return status
 
 
