@@ -331,9 +331,9 @@ def _grid_samples(task: str, gen: TextGenerator, args: argparse.Namespace, lengt
     """``task``'s prompts, built and sized with the model's tokenizer (so every length is checked before any
     task runs)."""
     from eval import synthetic
-    from eval.synthetic.common import _check_lengths
+    from eval.synthetic.common import check_lengths
 
-    lengths = _check_lengths(lengths, gen.max_context)
+    lengths = check_lengths(lengths, gen.max_context)
     common = dict(lengths=lengths, depths=depths, samples=args.samples, seed=args.seed)
     new = _new_tokens(task)
     if task == "needle":
@@ -353,8 +353,9 @@ def _grid_samples(task: str, gen: TextGenerator, args: argparse.Namespace, lengt
 def _synthetic(task: str, gen: TextGenerator, items: list, args: argparse.Namespace, out: Path) -> dict:
     from eval import synthetic
     from eval.plots import plot_needle_heatmap
+    from eval.synthetic.common import RAG_STOP
 
-    stop = ("\n",) if task == "rag" else ()  # HELMET stops RAG answers at a newline
+    stop = RAG_STOP if task == "rag" else ()
     result = synthetic.evaluate_samples(
         gen, items, max_new_tokens=_new_tokens(task), stop=stop, progress=not args.no_progress
     )

@@ -121,12 +121,13 @@ DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE_NEW_TOKENS = 32
 KV_NEW_TOKENS = 64  # a uuid is ~25 GPT-2 tokens and ~40 for a digit-splitting SentencePiece vocabulary
 RAG_NEW_TOKENS = 20  # HELMET's generation_max_length for RAG
+RAG_STOP = ("\n",)  # HELMET stops RAG answers at the first newline
 
 
 # ------------------------------------------------------------------ option checks
 
 
-def _check_lengths(lengths: Sequence[int] | None, max_context: int | None) -> list[int]:
+def check_lengths(lengths: Sequence[int] | None, max_context: int | None) -> list[int]:
     if lengths is None:
         if max_context is None:
             raise ConfigError("--context-lengths: give one or more prompt lengths in tokens, e.g. 1024,2048")
@@ -164,9 +165,9 @@ def _check_depths(depths: Sequence[float]) -> list[float]:
 def _check_common(
     lengths: Sequence[int], depths: Sequence[float], samples: int, max_new_tokens: int, shots: int = 0
 ) -> tuple[list[int], list[float]]:
-    """The options every task shares, checked; returns the grid (lengths, depths) as ``_check_lengths`` and
+    """The options every task shares, checked; returns the grid (lengths, depths) as ``check_lengths`` and
     ``_check_depths`` give it."""
-    lengths, depths = _check_lengths(lengths, None), _check_depths(depths)
+    lengths, depths = check_lengths(lengths, None), _check_depths(depths)
     check_min("--samples", samples, 1)
     check_min("--max-new-tokens", max_new_tokens, 1)
     check_min("--shots", shots, 0)
@@ -405,7 +406,7 @@ def run_samples(
 ) -> dict:  # fmt: skip
     """``evaluate_samples`` on ``make(generator.encode, lengths=, max_new_tokens=, **options)`` (a task's samples);
     ``lengths`` defaults to a quarter, half and all of ``generator.max_context``, and none may exceed it."""
-    lengths = _check_lengths(lengths, generator.max_context)
+    lengths = check_lengths(lengths, generator.max_context)
     items = make(generator.encode, lengths=lengths, max_new_tokens=max_new_tokens, **options)
     return evaluate_samples(generator, items, max_new_tokens=max_new_tokens, stop=stop, progress=progress)
 

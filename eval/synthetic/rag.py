@@ -17,6 +17,7 @@ from eval.synthetic.common import (
     RAG_DEMO,
     RAG_NEW_TOKENS,
     RAG_PASSAGE,
+    RAG_STOP,
     RAG_TEMPLATE,
     Case,
     Encode,
@@ -138,6 +139,6 @@ def run_rag(
     """HELMET-style RAG on NQ-open over lengths x depths (gold passage depth), substring_exact_match of any answer.
     Generation stops at the first newline, as HELMET does for RAG."""
     return run_samples(
-        rag_samples, generator, lengths, max_new_tokens=max_new_tokens, progress=progress, stop=("\n",),
+        rag_samples, generator, lengths, max_new_tokens=max_new_tokens, progress=progress, stop=RAG_STOP,
         data_file=data_file, depths=depths, samples=samples, seed=seed, shots=shots,
     )  # fmt: skip
