@@ -5,7 +5,10 @@
 compute-bound ops (matmuls, fused attention) and recomputes the cheap memory-bound ones (norms,
 activations, RoPE, elementwise), which removes most of the saved activations for a small
 recompute cost. Both use the non-reentrant implementation, which FSDP2 and torch.compile support.
-A variant's forward must have no side effects beyond its outputs: it runs twice.
+A variant's forward must have no side effects beyond its outputs: it runs twice. Under ``selective`` the replay
+gets the forward's own output tensor of every kept op (``SAVED_OPS``), so a forward must never modify such an output
+in place (``torch.matmul(...).mul_(...)``): the replay would apply the change twice and compute different values
+for the backward, silently (``test_activation_checkpointing_keeps_values_and_gradients`` runs every variant).
 """
 
 from __future__ import annotations

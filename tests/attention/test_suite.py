@@ -196,5 +196,28 @@ def test_chunked_prefill_matches_full_forward(name, case):
     torch.testing.assert_close(torch.cat(parts, 1), full, atol=1e-9, rtol=1e-7)
 
 
+@pytest.mark.parametrize("name,case", CASES)
+def test_activation_checkpointing_keeps_values_and_gradients(name, case):
+    """Selective checkpointing keeps the matmul and fused-kernel outputs of the forward and replays the rest in the
+    backward: a variant that mutates such an output in place (or decides something differently on the replay) gets
+    wrong gradients there, silently. Every mode must give the plain run's loss and gradients (float64)."""
+    idx = torch.randint(0, 97, (2, 41), generator=torch.Generator().manual_seed(4))
+    runs = {}
+    for mode in ("none", "selective", "full"):
+        model = tiny_model(name, case).train()
+        model.activation_checkpointing = mode
+        out = model(idx[:, :-1], targets=idx[:, 1:])
+        loss = out.loss_sum + (0.0 if out.aux_loss is None else out.aux_loss)
+        loss.backward()
+        runs[mode] = loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    loss0, grads0 = runs["none"]
+    for mode in ("selective", "full"):
+        loss, grads = runs[mode]
+        torch.testing.assert_close(loss, loss0, rtol=0, atol=1e-12, msg=mode)
+        assert grads.keys() == grads0.keys(), mode
+        for pname, g in grads.items():
+            torch.testing.assert_close(g, grads0[pname], rtol=1e-10, atol=1e-12, msg=f"{mode}: {pname}")
+
+
 def test_every_variant_is_covered():
     assert {c.values[0] for c in CASES} == set(registry)

@@ -181,7 +181,9 @@ class DynamicGroupAttention(GroupedKVCache):
         qs = ref.take_rows(q, (spos - q_base).expand(b, h, -1, -1)).to(dt)
         kw = ref.take_rows(k, (wpos - k_base).expand(b, h, -1, -1)).to(dt)
         mask = wpos[:, None, :] <= spos[:, :, None]  # [U, S, W]
-        s = torch.matmul(qs, kw.transpose(-1, -2)).mul_(self.scale).masked_fill_(~mask, float("-inf"))
+        # out of place: under selective activation checkpointing the matmul's output is kept for the recompute, and
+        # an in-place scale would apply twice there (the recomputed selection would differ from the forward's)
+        s = (torch.matmul(qs, kw.transpose(-1, -2)) * self.scale).masked_fill(~mask, float("-inf"))
         del kw
         a = torch.softmax(s, dim=-1).nan_to_num_(0.0)  # a row with no key gives zeros
         del s

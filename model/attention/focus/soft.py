@@ -75,7 +75,8 @@ def _gate_x(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) 
 def _factor(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) -> Tensor:
     """sigmoid(x) on the gated pairs, 1 inside the window, 0 after the query (additive) / sigmoid(x) unmasked at
     the future (multiplicative: those logits are masked separately): [B, Bq, kend]. The additive gate is its log."""
-    factor = torch.sigmoid_(_gate_x(g_q, g_k, lam, blk, additive))
+    # out of place: selective activation checkpointing keeps the matmul's output for the replay (model/activation_checkpointing.py)
+    factor = torch.sigmoid(_gate_x(g_q, g_k, lam, blk, additive))
     tail = factor[:, :, blk.far :]
     tail.masked_fill_(blk.near, 1.0)
     if additive:
@@ -110,8 +111,7 @@ def _scores(q_blk: Tensor, k: Tensor) -> Tensor:
 
 
 def _multiplicative_forward(q_blk: Tensor, k: Tensor, v: Tensor, m: Tensor, blk: _Block) -> tuple[Tensor, Tensor]:
-    s = _scores(q_blk, k)
-    s.mul_(m[:, None, None])
+    s = _scores(q_blk, k) * m[:, None, None]  # out of place: the matmul's output may be kept for the replay
     s[..., blk.far :].masked_fill_(blk.future, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
     p = s.sub_(lse[..., None]).exp_()
