@@ -25,10 +25,7 @@ LENGTHS = (150, 200, 333)  # none a multiple of FlexAttention's 128-token block
 COMPILES_ALLOWED = 2  # the first length static, the next dynamic; the third reuses it
 
 # Graph breaks known and left: why, and who owns the fix. Each still runs (xfail, not strict): once fixed it passes.
-KNOWN_BREAKS = {
-    "dga": "host reads of the last query position and per-chunk seeds (int(q_pos[-1]), int(j)) and a "
-    "torch.Generator per chunk in its training form: the form issue 26 item 3 replaces",
-}
+KNOWN_BREAKS: dict[str, str] = {}
 
 
 # Recompiles per length known and left (the trace has no graph break): (variant, mode option) -> why.

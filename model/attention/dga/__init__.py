@@ -126,6 +126,11 @@ class DynamicGroupAttention(GroupedKVCache):
         with torch.no_grad():  # the selection is a discrete decision: no gradient flows through it
             # units in blocks: the sampled queries' scores over each unit's window stay a fraction of the output
             step = max(1, IMPORTANCE_ELEMENTS // max(1, b * h * offsets.shape[-1] * window))
+            # compiled: one block, since a loop count read from the length specialises the graph (a recompile per
+            # length); the scores stay linear in T (U x S x 2C)
+            blocks = [0] if torch.compiler.is_compiling() else range(0, max(u, 1), step)  # u = 0: one empty block
+            if torch.compiler.is_compiling():
+                step = u
             importance = torch.cat(
                 [
                     self._importance(
@@ -139,7 +144,7 @@ class DynamicGroupAttention(GroupedKVCache):
                         k_base,
                         dt,
                     )
-                    for i in range(0, max(u, 1), step)  # u = 0: one empty block
+                    for i in blocks
                 ],
                 dim=2,
             )  # [B, H, U, n]
@@ -193,19 +198,8 @@ class DynamicGroupAttention(GroupedKVCache):
         """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C)."""
         c = self.cfg.chunk_size
         units = torch.arange(first, last)
-        offsets = (
-            torch.stack(
-                [
-                    sample_offsets(
-                        2 * c, self.cfg.sample_recent, self.cfg.sample_random, self.cfg.seed * 1_000_003 + int(j)
-                    )
-                    for j in units
-                ]
-            )
-            if last > first
-            else torch.zeros(0, 1, dtype=torch.long)
-        )
-        return units * c, offsets
+        seeds = self.cfg.seed * 1_000_003 + units
+        return units * c, sample_offsets(2 * c, self.cfg.sample_recent, self.cfg.sample_random, seeds)
 
     def _compress_causal(
         self, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, q_base: int = 0, k_base: int = 0
@@ -219,7 +213,8 @@ class DynamicGroupAttention(GroupedKVCache):
 
     def _compress_sequence(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         t = k.shape[2]
-        offsets = sample_offsets(t, self.cfg.sample_recent, self.cfg.sample_random, self.cfg.seed * 1_000_003 + t)[None]
+        seeds = torch.full((1,), self.cfg.seed * 1_000_003) + t
+        offsets = sample_offsets(t, self.cfg.sample_recent, self.cfg.sample_random, seeds)
         comp = self.compress(q, k, v, torch.zeros(1, dtype=torch.long), t, t, offsets)
         # focal keys are visible from their own position, an aggregate once its last member is
         return comp, comp.entries(comp.focal_pos, comp.members[..., -1])
@@ -387,7 +382,9 @@ class DynamicGroupAttention(GroupedKVCache):
         """``fast`` with the queries compression reads (``q_keys``, at the key positions) passed apart."""
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
-        comp, (ck, cv, avail) = self._compress_uncached(q_keys, k, v, int(q_pos[-1]))
+        # no cache: key row p holds position p and the last query is the last key (under CP too), so the last query
+        # position comes from a shape, not a host read of q_pos (a graph break in the compiled GPU forward)
+        comp, (ck, cv, avail) = self._compress_uncached(q_keys, k, v, k.shape[2] - 1)
         if flex_supports(q):
             out = self._flex(q, k, v, comp, ck, cv, avail, q_pos)
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})

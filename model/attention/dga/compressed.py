@@ -8,17 +8,33 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+_P = 2_147_483_647  # 2^31 - 1: hash state stays below 2^31, so every product fits in int64 on any device
+_ROUNDS = ((1_103_515_245, 12_345), (69_069, 1_013_904_223), (1_664_525, 374_761_393))
 
-def sample_offsets(span: int, n_recent: int, n_random: int, seed: int) -> Tensor:
-    """Sorted offsets in [0, span): the last ``n_recent`` plus ``n_random`` others drawn with a fixed seed (eq. 17)."""
+
+def _mix(x: Tensor) -> Tensor:
+    """A counter-based hash of int64 values in [0, 2^31): a few multiply-add rounds mod a prime, each folded."""
+    for a, b in _ROUNDS:
+        x = (x * a + b) % _P
+        x = x ^ (x >> 13)
+    return x
+
+
+def sample_offsets(span: int, n_recent: int, n_random: int, seeds: Tensor) -> Tensor:
+    """Sorted offsets in [0, span) per unit [U, S]: the last ``n_recent`` plus ``n_random`` others drawn by a hash of
+    the unit's seed (``seeds`` [U], eq. 17). Tensor arithmetic only (no generator, no host read), so the compiled
+    GPU forward traces it as one graph for every length; the same seed gives the same draw on every device."""
     n_recent = min(n_recent, span)
-    recent = torch.arange(span - n_recent, span)
+    u = seeds.shape[0]
+    recent = torch.arange(span - n_recent, span, device=seeds.device).expand(u, -1)
     rest = span - n_recent
     if n_random <= 0 or rest <= 0:
         return recent
-    g = torch.Generator().manual_seed(seed)
-    others = torch.randperm(rest, generator=g)[: min(n_random, rest)]
-    return torch.cat([others.sort().values, recent])
+    i = torch.arange(rest, device=seeds.device)
+    key = _mix((_mix(seeds.remainder(_P))[:, None] + i * 40_503) % _P)
+    # the n_random smallest keys; ``* rest + i`` makes them distinct, so no tie decides the draw
+    others = torch.topk(key * rest + i, min(n_random, rest), dim=-1, largest=False).indices
+    return torch.cat([others.sort(dim=-1).values, recent], dim=-1)
 
 
 @dataclass
