@@ -88,18 +88,9 @@ def _check(args: argparse.Namespace, cfg: RunConfig) -> int:
             f"train.engine: single runs one process, but {args.nodes} node(s) x {procs} make {world}; use ddp, fsdp2 "
             "or deepspeed"
         )
-    from run.parallel import data_parallel_size
+    from run.parallel import check_world
 
-    dp = data_parallel_size(cfg.train, world)  # dp x cp x tp = world, else one line
-    if cfg.train.parallel.model_parallel > 1:  # the batch is split over the data-parallel ranks only
-        world = dp
-    if cfg.train.micro_batch_size and cfg.train.batch_size % (cfg.train.micro_batch_size * world):
-        raise ConfigError(
-            f"train.batch_size: {cfg.train.batch_size} is not divisible by train.micro_batch_size "
-            f"({cfg.train.micro_batch_size}) x {world} processes"
-        )
-    if cfg.train.batch_size % world:
-        raise ConfigError(f"train.batch_size: {cfg.train.batch_size} is not divisible by the {world} processes")
+    check_world(cfg.train, world)  # dp x cp x tp = world and the batch splits over dp, else one line
     return procs
 
 

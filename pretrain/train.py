@@ -75,10 +75,10 @@ def main(argv: list[str] | None = None) -> int:
             from run.config import load_run_config  # torch and the model: imported with the signals caught
 
             cfg = load_run_config(args.config, args.overrides)
-            if "WORLD_SIZE" in os.environ and cfg.train.parallel.model_parallel > 1:  # under torchrun: the layout
-                from run.parallel import data_parallel_size
+            if "WORLD_SIZE" in os.environ:  # under torchrun: the layout and the batch split, before any group
+                from run.parallel import check_world
 
-                data_parallel_size(cfg.train, int(os.environ["WORLD_SIZE"]))
+                check_world(cfg.train, int(os.environ["WORLD_SIZE"]))
             if args.dry_run:
                 print(cfg.to_toml(), end="")
                 return 0

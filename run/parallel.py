@@ -91,3 +91,27 @@ def data_parallel_size(train: TrainLayout, world_size: int) -> int:
                 f"(world {world_size} / cp {par.cp} / tp {par.tp})"
             )
     return dp
+
+
+class TrainBatchLayout(TrainLayout, Protocol):
+    """``TrainLayout`` plus the batch sizes ``check_world`` splits."""
+
+    batch_size: int
+    micro_batch_size: int
+
+
+def check_world(train: TrainBatchLayout, world_size: int) -> int:
+    """``data_parallel_size`` plus the batch split the loader will demand, checked as soon as the world size is known
+    (``WORLD_SIZE`` under torchrun, ``--dry-run`` included, or the launcher's nodes x processes) rather than after
+    every process has joined the group: the global batch splits over the data-parallel ranks only (the CP and TP
+    ranks of a replica read the same sequences), in micro-batches of ``train.micro_batch_size`` (0: one per rank)."""
+    dp = data_parallel_size(train, world_size)
+    micro = train.micro_batch_size
+    if micro and train.batch_size % (micro * dp):
+        raise ConfigError(
+            f"train.batch_size: {train.batch_size} is not divisible by train.micro_batch_size ({micro}) x "
+            f"{dp} data-parallel ranks"
+        )
+    if train.batch_size % dp:
+        raise ConfigError(f"train.batch_size: {train.batch_size} is not divisible by the {dp} data-parallel ranks")
+    return dp

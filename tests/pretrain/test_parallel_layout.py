@@ -77,3 +77,23 @@ def test_default_layout_is_data_parallel_only():
     assert (cfg.train.parallel.tp, cfg.train.parallel.cp) == (1, 1)
     assert data_parallel_size(cfg.train, 5) == 5
     assert "[train.parallel]" in cfg.to_toml()
+
+
+@pytest.mark.parametrize(
+    "sets,world,line",
+    [
+        # dp = 4 / (tp 2) = 2 ranks: a batch of 3 cannot split over them
+        ([FSDP2, "train.parallel.tp=2", "train.batch_size=3"], 4, "train.batch_size: 3 is not divisible by the 2 data"),
+        # pure data parallelism is checked the same way, before the process group
+        (["train.engine=ddp", "train.batch_size=6", "train.micro_batch_size=2"], 2, "train.batch_size: 6 is not divi"),
+    ],
+)
+def test_batch_that_does_not_split_over_dp_is_one_line_under_dry_run(sets, world, line, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    assert train.main(["--config", str(TINY), "--dry-run"] + [x for s in sets for x in ("--set", s)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {line}") and "\n" not in err, err
+    monkeypatch.delenv("WORLD_SIZE")
+    launch = ["--config", str(TINY), "--nodes", "1", "--gpus-per-node", str(world), "--dry-run"]
+    assert submit.main([*launch] + [x for s in sets for x in ("--set", s)]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {line}")
