@@ -388,7 +388,8 @@ def test_ddp_checkpoint_planted_distcp_entries(ddp_run, cache_dir, tmp_path):
 @pytest.mark.parametrize("pattern", ["*model_states.pt", "zero_pp_rank_1_*optim_states.pt"])
 def test_deepspeed_checkpoint_planted(deepspeed_run, cache_dir, tmp_path, pattern):
     """Rank 1's optimizer file: rank 0 never loads it, yet both ranks refuse (every file is checked
-    on every rank before DeepSpeed opens any)."""
+    on every rank before DeepSpeed opens any). torchrun stops the other rank as soon as one exits, so under
+    load the slower rank may be stopped before it prints: at least one refusal, each naming the file."""
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     marker = tmp_path / "ran"
@@ -401,7 +402,8 @@ def test_deepspeed_checkpoint_planted(deepspeed_run, cache_dir, tmp_path, patter
     resume = _launch(2, _args(run_dir, cache_dir, DEEPSPEED, **RESUME))
     assert_resume_refused(resume, planted, marker, 1)
     if resume.returncode:
-        assert sum(line.startswith("error:") for line in resume.stderr.splitlines()) == 2, "both ranks refuse"
+        errors = [line for line in resume.stderr.splitlines() if line.startswith("error:")]
+        assert 1 <= len(errors) <= 2 and all(planted.name in line for line in errors), errors
     get_fp32_state_dict_from_zero_checkpoint(str(shards), tag="ds")  # control: DeepSpeed's own reader runs it
     assert marker.exists()
 
