@@ -36,32 +36,41 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "english_novels"
 DEFAULT_OUT = REPO / "docs" / "reproduce.md"
 
-# label -> arms needed and the evaluations each arm runs for this group (val loss always runs)
-GROUP_ARMS: dict[str, dict[str, list[str]]] = {
-    "focus": {
-        "full": [],
-        "local_window": [],
-        "focus": ["groups"],
-        "focus_softmax": ["groups"],
-        "focus_k2": [],
-        "focus_k4": ["topk"],
-        "focus_w16": [],
-        "focus_w64": [],
-    },
-    "lazy": {"full": ["attn_stats", "length"], "lazy": ["attn_stats", "length"]},
-    "focal": {"full": [], "focal_t0.4": [], "focal_learned": []},
-    "dga": {"full": ["kv_cache"], "dga": ["kv_cache"], "dga_g0.5": []},
-    "prescored_hyper": {"full": ["prescored"]},
-}
+GROUPS = ("focus", "lazy", "focal", "dga", "prescored_hyper")  # the claim groups (--only)
+
+
+def group_arms(group: str, budget: dict) -> dict[str, list[str]]:
+    """label -> the evaluations it runs for ``group`` (val loss always runs): the arms the group's claims need."""
+    from bench.reproduce_arms import window_label
+
+    needs: dict[str, dict[str, list[str]]] = {
+        "focus": {
+            "full": [],
+            "local_window": [],
+            "focus": ["groups"],
+            "focus_softmax": ["groups"],
+            "focus_k2": [],
+            "focus_k4": ["topk"],
+            **{window_label(w): [] for w in budget["focus_windows"]},
+        },
+        "lazy": {"full": ["attn_stats", "length"], "lazy": ["attn_stats", "length"]},
+        "focal": {"full": [], "focal_t0.4": [], "focal_learned": []},
+        "dga": {"full": ["kv_cache"], "dga": ["kv_cache"], "dga_g0.5": []},
+        "prescored_hyper": {"full": ["prescored"]},
+    }
+    return needs[group]
+
 
 _SHAPE = dict(n_layers=2, vocab_size=2048, seq_len=128, lr=3e-3, rope_theta=500000.0)
 _PRESCORED = {"min_keys": 8, "block_size": 16, "sample_size": 16, "min_seq_len": 32, "lsh_bits": 4}
+# focus_window (the local-window baseline's too), focus_windows (the window ablation's pair), dga_chunk, dga_group:
+# the lengths the arms are configured with (bench.reproduce_arms.arms)
 _FULL = dict(
     _SHAPE, name="full", d_model=128, n_heads=4, d_ff=344, batch_size=8, steps=400, warmup_steps=40, seeds=[0, 1],
     data_bytes=8_000_000, val_windows=64, log_every=40, length_multiples=[1, 2, 4], length_tokens=8192,
     kv_multiples=[1, 4, 16], prescored_windows=16,
     prescored={"scorings": ["kmeans", "kmedian", "leverage"], "top_k": [16, 32, 64, 96], "options": _PRESCORED},
-    prescored_claim_top_k=64,
+    prescored_claim_top_k=64, focus_window=32, focus_windows=[16, 64], dga_chunk=32, dga_group=8,
 )  # fmt: skip
 # --quick: a smaller model, fewer steps and less data; the rest as the full run
 _QUICK = dict(
@@ -137,14 +146,15 @@ def link_subset(files: list[Path], root: Path, folder: Path) -> Path:
 
 def plan(groups: list[str], budget: dict) -> list[dict]:
     """One job per (arm, seed), the evaluations merged over the selected groups; costliest first."""
-    from bench.reproduce_arms import ARMS
+    from bench.reproduce_arms import arms
 
+    costs = {label: arm[2] for label, arm in arms(budget).items()}
     evals: dict[str, set[str]] = {}
     for group in groups:
-        for label, needed in GROUP_ARMS[group].items():
+        for label, needed in group_arms(group, budget).items():
             evals.setdefault(label, set()).update(needed)
     jobs = [
-        {"label": label, "seed": seed, "evals": sorted(evals[label]), "cost": ARMS[label][2] + 0.5 * len(evals[label])}
+        {"label": label, "seed": seed, "evals": sorted(evals[label]), "cost": costs[label] + 0.5 * len(evals[label])}
         for label in evals
         for seed in budget["seeds"]
     ]
@@ -205,7 +215,7 @@ def run_jobs(jobs: list[dict], n_workers: int, say: Callable[[str], None]) -> li
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.reproduce", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller model and fewer steps (a few minutes)")
-    p.add_argument("--only", default="", help=f"comma-separated claim groups: {', '.join(GROUP_ARMS)}")
+    p.add_argument("--only", default="", help=f"comma-separated claim groups: {', '.join(GROUPS)}")
     p.add_argument("--data", default="", help="a folder of .txt files or one file (default: the novels corpus)")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report; JSON and plots go in the folder beside it")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="arms trained at once")
@@ -218,10 +228,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_start = time.perf_counter(), os.getloadavg()
-    groups = [g.strip() for g in args.only.split(",") if g.strip()] or list(GROUP_ARMS)
-    unknown = [g for g in groups if g not in GROUP_ARMS]
+    groups = [g.strip() for g in args.only.split(",") if g.strip()] or list(GROUPS)
+    unknown = [g for g in groups if g not in GROUPS]
     if unknown:
-        print(f"error: --only: {', '.join(unknown)} unknown; choose from {', '.join(GROUP_ARMS)}", file=sys.stderr)
+        print(f"error: --only: {', '.join(unknown)} unknown; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     data = Path(args.data) if args.data else DEFAULT_DATA
     if not data.exists():
@@ -252,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = root / f"{job['label']}-seed{job['seed']}"
             job.update(
                 run_dir=str(run_dir),
-                overrides=reproduce_arms.arm_overrides(job["label"], common, run_dir, job["seed"]),
+                overrides=reproduce_arms.arm_overrides(job["label"], budget, common, run_dir, job["seed"]),
                 budget=budget,
                 threads=args.threads,
             )

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from bench.reproduce_arms import ARMS
+from bench.reproduce_arms import arms
 from bench.reproduce_claims import GROUPS, mean, spread
 from core.files import atomic_write_text
 
@@ -43,7 +43,7 @@ def plots(folder: Path, results: Results, budget: dict, groups: list[str]) -> di
         made[title] = name
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
-    labels = [label for label in ARMS if _ok(results, label)]
+    labels = [label for label in arms(budget) if _ok(results, label)]
     for i, label in enumerate(labels):
         values = [r["val_loss"] for r in _ok(results, label)]
         ax.bar(i, mean(values), color="#8fb3d9")
@@ -132,7 +132,7 @@ def _pick(r: dict, scoring: str, top_k: int) -> dict:
 def _details(results: Results, budget: dict, groups: list[str]) -> list[str]:
     lines = ["## Details", "", "### Validation loss of every arm", ""]
     lines += ["| arm | what | seeds | validation loss | per seed | train s / seed |", "|---|---|---:|---:|---|---:|"]
-    for label, (_, what, _) in ARMS.items():
+    for label, (_, what, _) in arms(budget).items():
         runs = results.get(label)
         if not runs:
             continue
@@ -153,9 +153,9 @@ def _details(results: Results, budget: dict, groups: list[str]) -> list[str]:
             kept = [r["topk"][k]["pairs_kept"] for r in runs if r["topk"][k].get("pairs_kept") is not None]
             share = f"{100 * mean(kept):.0f}%" if kept else "-"
             lines.append(f"| hard k = {k} | {_m([r['topk'][k]['loss'] for r in runs])} | {share} |")
-    for label in ("focus", "focus_softmax", "focus_k2", "focus_k4", "focus_w16", "focus_w64"):
+    for label in ("focus", "focus_softmax"):  # the arms that log group statistics
         runs = _ok(results, label)
-        if "focus" in groups and label in ("focus", "focus_softmax") and runs and all(r.get("groups") for r in runs):
+        if "focus" in groups and runs and all(r.get("groups") for r in runs):
             if label == "focus":
                 lines += ["", "### Focus group statistics at the last logged step (mean over seeds)", ""]
                 lines += ["| arm | largest group | confidence | imbalance |", "|---|---:|---:|---:|"]

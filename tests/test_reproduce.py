@@ -1,5 +1,6 @@
-"""``python -m bench.reproduce`` (the papers' claims at tiny scale) stays runnable, and its verdict rule
-says what docs/reproduce.md says it does."""
+"""``python -m bench.reproduce`` (the papers' claims at tiny scale) stays runnable, its verdict rule says what
+docs/reproduce.md says it does, and each tier's arms and claims carry that tier's lengths (the default and
+``--quick`` tiers exactly as docs/reproduce.md was measured, ``--context`` at 512 tokens)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,49 @@ from pathlib import Path
 
 import pytest
 
-from bench.reproduce_claims import FAILS, HOLDS, UNSURE, verdict
+from bench.reproduce import BUDGETS, GROUPS, common_overrides, plan
+from bench.reproduce_arms import arm_overrides, arms
+from bench.reproduce_claims import (
+    FAILS,
+    HOLDS,
+    UNSURE,
+    verdict,
+)
 from tests.conftest import REPO
+
+# every arm's own overrides in the default and --quick tiers, as docs/reproduce.md was measured with them
+TODAY = {
+    "full": ["model.attention.kind=full"],
+    "local_window": ["model.attention.kind=local_window", "model.attention.local_window.window=32"],
+    **{
+        label: [
+            "model.attention.kind=focus",
+            f"model.attention.focus.n_groups={k}",
+            f"model.attention.focus.window={w}",
+            f"model.attention.focus.assignment={assignment}",
+        ]
+        for label, k, w, assignment in (
+            ("focus", 8, 32, "sinkhorn"),
+            ("focus_softmax", 8, 32, "softmax"),
+            ("focus_k2", 2, 32, "sinkhorn"),
+            ("focus_k4", 4, 32, "sinkhorn"),
+            ("focus_w16", 8, 16, "sinkhorn"),
+            ("focus_w64", 8, 64, "sinkhorn"),
+        )
+    },
+    "lazy": ["model.attention.kind=lazy"],
+    "focal_t0.4": ["model.attention.kind=focal", "model.attention.focal.mode=constant", "model.attention.focal.t=0.4"],
+    "focal_learned": ["model.attention.kind=focal", "model.attention.focal.mode=learned"],
+    **{
+        label: [
+            "model.attention.kind=dga",
+            f"model.attention.dga.gamma={gamma}",
+            "model.attention.dga.chunk_size=32",
+            "model.attention.dga.group_size=8",
+        ]
+        for label, gamma in (("dga", 0.1), ("dga_g0.5", 0.5))
+    },
+}
 
 
 def test_verdict_compares_the_gap_with_the_seed_spread():
@@ -30,6 +72,38 @@ def test_missing_data_is_one_line_naming_the_option(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert code == 2 and err.startswith("error: --data:") and "\n" not in err
     assert not (tmp_path / "r.md").exists()
+
+
+def _own(label: str, budget: dict) -> list[str]:
+    """Arm ``label``'s overrides without the common ones, the run directory and the seed."""
+    return arm_overrides(label, budget, [], Path("run"), 0)[:-2]
+
+
+@pytest.mark.parametrize("tier", ["full", "quick"])
+def test_the_default_and_quick_tiers_train_the_arms_they_were_measured_with(tier):
+    budget = BUDGETS[tier]
+    assert {label: _own(label, budget) for label in arms(budget)} == TODAY
+    assert sorted({job["label"] for job in plan(list(GROUPS), budget)}) == sorted(TODAY)
+    common = common_overrides(budget, Path("data"), "")
+    assert {"model.max_seq_len=128", "data.seq_len=128", "train.batch_size=8", "train.lr=0.003"} <= set(common)
+
+
+def test_the_committed_report_renders_again_from_its_results(monkeypatch, tmp_path):
+    """docs/reproduce.md is what today's report code writes from docs/reproduce/results.json (the tiers' refactor
+    changed no byte of the default tier's report)."""
+    import re
+
+    from bench import reproduce_report
+
+    text = (REPO / "docs" / "reproduce.md").read_text()
+    payload = json.loads((REPO / "docs" / "reproduce" / "results.json").read_text())
+    measured = payload["budget"]
+    assert {k: BUDGETS["full"][k] for k in measured if k in BUDGETS["full"]} == measured  # the budget it ran with
+    made = dict(re.findall(r"^!\[(.+)\]\(reproduce/(.+)\)$", text, flags=re.M))
+    monkeypatch.setattr(reproduce_report, "plots", lambda *args: made)
+    out = tmp_path / "reproduce.md"
+    reproduce_report.write_report(out, payload["meta"], BUDGETS["full"], payload["meta"]["groups"], payload["results"])
+    assert out.read_text() == text
 
 
 @pytest.mark.slow
