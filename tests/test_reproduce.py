@@ -12,12 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from bench.reproduce import BUDGETS, GROUPS, common_overrides, plan
+from bench.reproduce import BUDGETS, DEFAULT_OUTS, GROUPS, common_overrides, plan
 from bench.reproduce_arms import arm_overrides, arms
 from bench.reproduce_claims import (
     FAILS,
     HOLDS,
     UNSURE,
+    dga_claims,
+    focus_claims,
+    lazy_claims,
+    prescored_claims,
     verdict,
 )
 from tests.conftest import REPO
@@ -86,6 +90,60 @@ def test_the_default_and_quick_tiers_train_the_arms_they_were_measured_with(tier
     assert sorted({job["label"] for job in plan(list(GROUPS), budget)}) == sorted(TODAY)
     common = common_overrides(budget, Path("data"), "")
     assert {"model.max_seq_len=128", "data.seq_len=128", "train.batch_size=8", "train.lr=0.003"} <= set(common)
+    assert DEFAULT_OUTS[tier] == REPO / "docs" / "reproduce.md"
+
+
+def test_the_context_tier_trains_every_arm_at_the_papers_lengths():
+    budget = BUDGETS["context"]
+    jobs = plan(list(GROUPS), budget)
+    own = {job["label"]: _own(job["label"], budget) for job in jobs}
+    assert sorted(own) == sorted(TODAY.keys() - {"focus_w16", "focus_w64"} | {"focus_w64", "focus_w256"})
+    assert sorted(job["seed"] for job in jobs if job["label"] == "focus") == [0, 1]  # two seeds: a spread
+    windows = {label: o for label, opts in own.items() for o in opts if o.startswith("model.attention.focus.window=")}
+    assert windows == {
+        **dict.fromkeys(("focus", "focus_softmax", "focus_k2", "focus_k4"), "model.attention.focus.window=128"),
+        "focus_w64": "model.attention.focus.window=64",
+        "focus_w256": "model.attention.focus.window=256",
+    }
+    assert "model.attention.local_window.window=128" in own["local_window"]
+    for label in ("dga", "dga_g0.5"):
+        assert {"model.attention.dga.chunk_size=128", "model.attention.dga.group_size=16"} <= set(own[label])
+    common = common_overrides(budget, Path("data"), "")
+    assert {"model.max_seq_len=512", "data.seq_len=512"} <= set(common)
+    tokens = budget["steps"] * budget["batch_size"] * budget["seq_len"]
+    assert tokens >= 409_600  # at least the default tier's token budget per arm
+    assert [budget["seq_len"] * m for m in budget["length_multiples"]] == [512, 1024, 2048]
+    assert DEFAULT_OUTS["context"] == REPO / "docs" / "reproduce_context.md"
+
+
+def test_every_context_arm_is_a_valid_run_config(tmp_path):
+    from run.config import load_run_config
+
+    budget = BUDGETS["context"]
+    (tmp_path / "a.txt").write_text("text")
+    common = common_overrides(budget, tmp_path, "")
+    for label in arms(budget):
+        cfg = load_run_config(None, arm_overrides(label, budget, common, tmp_path / label, 0))
+        assert cfg.data.seq_len == 512, label
+
+
+def test_claims_name_the_tiers_windows_chunks_and_lengths():
+    context, full = BUDGETS["context"], BUDGETS["full"]
+    texts = " | ".join(
+        f"{c.text} {c.lower[1]} {c.higher[1]}"
+        for claims in (focus_claims, lazy_claims, dga_claims, prescored_claims)
+        for c in claims(context)
+    )
+    assert "w = 64 below w = 256 (validation loss; w = 128 in the details)" in texts
+    assert "local w=128" in texts and "(gamma = 0.1, m = 16)" in texts
+    assert "from 1x to 4x the training length (512 tokens;" in texts and "(top_k = 256 of 512 keys)" in texts
+    for stale in ("w = 16", "w=16", "w = 32", "w=32", "m = 8", "128 tokens", "of 128 keys"):
+        assert stale not in texts, stale
+    window = next(c for c in focus_claims(context) if c.text.startswith("Smaller windows"))
+    assert window.paper == "appendix C (K=2, centroid-only): w=64 34.1, w=256 35.3, w=512 37.5 PPL"
+    assert window.lower[0] == "focus_w64" and window.higher[0] == "focus_w256"
+    default = next(c for c in focus_claims(full) if c.text.startswith("Smaller windows"))
+    assert default.text == "Smaller windows are better: w = 16 below w = 64 (validation loss; w = 32 in the details)"
 
 
 def test_the_committed_report_renders_again_from_its_results(monkeypatch, tmp_path):
@@ -104,6 +162,37 @@ def test_the_committed_report_renders_again_from_its_results(monkeypatch, tmp_pa
     out = tmp_path / "reproduce.md"
     reproduce_report.write_report(out, payload["meta"], BUDGETS["full"], payload["meta"]["groups"], payload["results"])
     assert out.read_text() == text
+
+
+def test_the_context_report_names_its_tier_and_counts_the_verdicts(tmp_path, monkeypatch):
+    from bench import reproduce_report
+
+    monkeypatch.setattr(reproduce_report, "plots", lambda *args: {})
+    budget = BUDGETS["context"]
+    meta = {
+        "date": "today", "command": "python -m bench.reproduce --context", "device": "cpu", "wall_seconds": 60.0,
+        "cpu_seconds": 120.0, "code_version": "x", "groups": list(GROUPS), "jobs": 2,
+        "load_average_start": [0.0, 0.0, 0.0], "load_average_end": [2.0, 2.0, 2.0],
+        "data": {"path": "d", "files": ["a.txt"], "bytes": 1, "train_tokens": 1, "val_tokens": 1},
+    }  # fmt: skip
+    out = tmp_path / "reproduce_context.md"
+    reproduce_report.write_report(out, meta, budget, list(GROUPS), {})
+    text = out.read_text()
+    assert "- Tier: the context tier (`--context`): trained at 512 tokens" in text
+    assert "Command: `python -m bench.reproduce --context`" in text
+    assert (
+        "- Summary: 0 hold, 0 do not hold, 0 inconclusive at this scale, 22 not measured (an arm failed), of 22" in text
+    )
+    assert (tmp_path / "reproduce_context" / "results.json").exists()
+
+
+def test_context_with_quick_is_one_line_error(tmp_path, capsys):
+    from bench.reproduce import main
+
+    code = main(["--context", "--quick", "--out", str(tmp_path / "r.md")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err.startswith("error: --context:") and "--quick" in err and "\n" not in err
+    assert not (tmp_path / "r.md").exists()
 
 
 @pytest.mark.slow
