@@ -1,6 +1,6 @@
 """The five papers' claims at tiny scale, in one command.
 
-    python -m bench.reproduce [--quick] [--only NAME[,NAME]] [--data DIR] [--out docs/reproduce.md]
+    python -m bench.reproduce [--quick | --context] [--only NAME[,NAME]] [--data DIR] [--out docs/reproduce.md]
 
 Trains every arm a claim needs (full attention once per seed, shared by every claim that compares
 against it; Focus, Lazy, Focal, DGA and a local-window-only baseline) through the project's trainer
@@ -8,8 +8,12 @@ with the same shape, data, token budget and seeds, evaluates each checkpoint thr
 evaluation code, and writes a table (claim, the paper's figure and its source, our figure, verdict)
 to ``--out`` with JSON and plots in the folder beside it (``docs/reproduce/``).
 
-Claim groups (``--only``): focus, lazy, focal, dga, prescored_hyper. The full run is sized for
-about 20-30 minutes on 2 CPU cores, ``--quick`` (a smaller model, fewer steps) for a few minutes.
+Claim groups (``--only``): focus, lazy, focal, dga, prescored_hyper. Three tiers (budgets), each
+sized for 2 CPU cores: the default one trains at 128 tokens (Focus window 32, DGA chunk 32; under 30
+minutes, report in docs/reproduce.md), ``--quick`` is a smaller model and fewer steps for a few
+minutes, and ``--context`` trains at 512 tokens with the papers' settings at that length (Focus
+window 128, Lazy evaluated from 512 to 2048 tokens, DGA chunk 128 and group 16; about 45 minutes,
+report in docs/reproduce_context.md).
 Data: a folder of ``.txt`` files (default: the novels corpus at ``../shared/data/english_novels``
 beside the repository); the first files by name, up to a byte budget, are used.
 """
@@ -36,39 +40,75 @@ REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "english_novels"
 DEFAULT_OUT = REPO / "docs" / "reproduce.md"
 
-# label -> arms needed and the evaluations each arm runs for this group (val loss always runs)
-GROUP_ARMS: dict[str, dict[str, list[str]]] = {
-    "focus": {
-        "full": [],
-        "local_window": [],
-        "focus": ["groups"],
-        "focus_softmax": ["groups"],
-        "focus_k2": [],
-        "focus_k4": ["topk"],
-        "focus_w16": [],
-        "focus_w64": [],
-    },
-    "lazy": {"full": ["attn_stats", "length"], "lazy": ["attn_stats", "length"]},
-    "focal": {"full": [], "focal_t0.4": [], "focal_learned": []},
-    "dga": {"full": ["kv_cache"], "dga": ["kv_cache"], "dga_g0.5": []},
-    "prescored_hyper": {"full": ["prescored"]},
-}
+GROUPS = ("focus", "lazy", "focal", "dga", "prescored_hyper")  # the claim groups (--only)
+
+
+def group_arms(group: str, budget: dict) -> dict[str, list[str]]:
+    """label -> the evaluations it runs for ``group`` (val loss always runs): the arms the group's claims need."""
+    from bench.reproduce_arms import window_label
+
+    needs: dict[str, dict[str, list[str]]] = {
+        "focus": {
+            "full": [],
+            "local_window": [],
+            "focus": ["groups"],
+            "focus_softmax": ["groups"],
+            "focus_k2": [],
+            "focus_k4": ["topk"],
+            **{window_label(w): [] for w in budget["focus_windows"]},
+        },
+        "lazy": {"full": ["attn_stats", "length"], "lazy": ["attn_stats", "length"]},
+        "focal": {"full": [], "focal_t0.4": [], "focal_learned": []},
+        "dga": {"full": ["kv_cache"], "dga": ["kv_cache"], "dga_g0.5": []},
+        "prescored_hyper": {"full": ["prescored"]},
+    }
+    return needs[group]
+
 
 _SHAPE = dict(n_layers=2, vocab_size=2048, seq_len=128, lr=3e-3, rope_theta=500000.0)
 _PRESCORED = {"min_keys": 8, "block_size": 16, "sample_size": 16, "min_seq_len": 32, "lsh_bits": 4}
+# focus_window (the local-window baseline's too), focus_windows (the window ablation's pair), dga_chunk, dga_group:
+# the lengths the arms are configured with (bench.reproduce_arms.arms)
 _FULL = dict(
     _SHAPE, name="full", d_model=128, n_heads=4, d_ff=344, batch_size=8, steps=400, warmup_steps=40, seeds=[0, 1],
     data_bytes=8_000_000, val_windows=64, log_every=40, length_multiples=[1, 2, 4], length_tokens=8192,
     kv_multiples=[1, 4, 16], prescored_windows=16,
     prescored={"scorings": ["kmeans", "kmedian", "leverage"], "top_k": [16, 32, 64, 96], "options": _PRESCORED},
-    prescored_claim_top_k=64,
+    prescored_claim_top_k=64, focus_window=32, focus_windows=[16, 64], dga_chunk=32, dga_group=8,
 )  # fmt: skip
 # --quick: a smaller model, fewer steps and less data; the rest as the full run
 _QUICK = dict(
     _FULL, name="quick", d_model=64, n_heads=2, d_ff=172, steps=60, warmup_steps=10, data_bytes=3_000_000,
     val_windows=32, log_every=10, length_tokens=4096, prescored_windows=8,
 )  # fmt: skip
-BUDGETS: dict[str, dict[str, Any]] = {"full": _FULL, "quick": _QUICK}
+# --context: trained at 512 tokens, the papers' settings at that length: Focus's window 128 (tables 16 / 25; the
+# ablation w = 64 vs 256, appendix C), Lazy evaluated from 512 to 2048 (figure 6), DGA's C = 128 and m = 16 (table 4),
+# pre-scored HyperAttention's keys and blocks scaled with T. The model is the default tier's, so only the length and
+# the papers' settings differ; the time goes to tokens: 800 x 4 x 512 = 1,638,400 per arm (4x the default tier's,
+# under one epoch of the 2.2M training tokens).
+# Sizing, measured (2026-11-26, 2-core AMD EPYC, torch 2.13 CPU, 2 workers x 1 thread, otherwise idle; every arm, one
+# seed, 100 steps of 4 x 512, logging every 25): s/step focus 0.25-0.27 (the six Focus arms), lazy 0.30, full 0.23,
+# dga 0.23-0.24, focal 0.21-0.23, local window 0.22: 3.22 s for one step of all 13 arms; evaluations 70 s per seed
+# (full's pre-scored sweep, length and KV cache 27 s, Focus K = 4's top-k 12, lazy 10, dga 8, the others 1-2).
+# 2 seeds on 2 workers: wall ~ 3.22 s x steps + 70 s + about 60 s (start, setup per arm, the last arm alone,
+# report) = 2576 + 130 s for 800 steps: about 45 minutes, under the 60-minute target with room for a slower machine.
+_CONTEXT: dict[str, Any] = dict(
+    _FULL, name="context", seq_len=512, batch_size=4, steps=800, warmup_steps=80, log_every=80,
+    length_tokens=32768, kv_multiples=[1, 4, 16],
+    prescored={
+        "scorings": ["kmeans", "kmedian", "leverage"], "top_k": [64, 128, 256, 384],
+        "options": {"min_keys": 32, "block_size": 64, "sample_size": 64, "min_seq_len": 128, "lsh_bits": 4},
+    },
+    prescored_claim_top_k=256, focus_window=128, focus_windows=[64, 256], dga_chunk=128, dga_group=16,
+)  # fmt: skip
+_CONTEXT["about"] = (
+    f"the context tier (`--context`): trained at {_CONTEXT['seq_len']} tokens with the papers' settings at that "
+    f"length (Focus window {_CONTEXT['focus_window']}, Lazy evaluated from 1x to "
+    f"{_CONTEXT['length_multiples'][-1]}x the training length, DGA chunk {_CONTEXT['dga_chunk']} and group "
+    f"{_CONTEXT['dga_group']}); the default tier, at {_FULL['seq_len']} tokens, is reported in docs/reproduce.md"
+)
+BUDGETS: dict[str, dict[str, Any]] = {"full": _FULL, "quick": _QUICK, "context": _CONTEXT}
+DEFAULT_OUTS = {"full": DEFAULT_OUT, "quick": DEFAULT_OUT, "context": REPO / "docs" / "reproduce_context.md"}
 
 # a run trained only to be measured: no periodic checkpoints (one kept) or evaluation, no loggers
 MEASUREMENT_RUN = [
@@ -137,14 +177,15 @@ def link_subset(files: list[Path], root: Path, folder: Path) -> Path:
 
 def plan(groups: list[str], budget: dict) -> list[dict]:
     """One job per (arm, seed), the evaluations merged over the selected groups; costliest first."""
-    from bench.reproduce_arms import ARMS
+    from bench.reproduce_arms import arms
 
+    costs = {label: arm[2] for label, arm in arms(budget).items()}
     evals: dict[str, set[str]] = {}
     for group in groups:
-        for label, needed in GROUP_ARMS[group].items():
+        for label, needed in group_arms(group, budget).items():
             evals.setdefault(label, set()).update(needed)
     jobs = [
-        {"label": label, "seed": seed, "evals": sorted(evals[label]), "cost": ARMS[label][2] + 0.5 * len(evals[label])}
+        {"label": label, "seed": seed, "evals": sorted(evals[label]), "cost": costs[label] + 0.5 * len(evals[label])}
         for label in evals
         for seed in budget["seeds"]
     ]
@@ -205,9 +246,17 @@ def run_jobs(jobs: list[dict], n_workers: int, say: Callable[[str], None]) -> li
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.reproduce", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="smaller model and fewer steps (a few minutes)")
-    p.add_argument("--only", default="", help=f"comma-separated claim groups: {', '.join(GROUP_ARMS)}")
+    p.add_argument(
+        "--context", action="store_true", help="train at 512 tokens with the papers' settings (about 45 minutes)"
+    )
+    p.add_argument("--only", default="", help=f"comma-separated claim groups: {', '.join(GROUPS)}")
     p.add_argument("--data", default="", help="a folder of .txt files or one file (default: the novels corpus)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="markdown report; JSON and plots go in the folder beside it")
+    p.add_argument(
+        "--out",
+        default="",
+        help="markdown report; JSON and plots go in the folder beside it (default: docs/reproduce.md, "
+        "docs/reproduce_context.md with --context)",
+    )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="arms trained at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads per arm")
     p.add_argument("--cache-dir", default="", help="data cache (tokenizer, tokens); default the project's")
@@ -218,10 +267,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_start = time.perf_counter(), os.getloadavg()
-    groups = [g.strip() for g in args.only.split(",") if g.strip()] or list(GROUP_ARMS)
-    unknown = [g for g in groups if g not in GROUP_ARMS]
+    if args.quick and args.context:
+        print("error: --context: not with --quick (each is a tier of its own; choose one)", file=sys.stderr)
+        return 2
+    tier = "context" if args.context else "quick" if args.quick else "full"
+    groups = [g.strip() for g in args.only.split(",") if g.strip()] or list(GROUPS)
+    unknown = [g for g in groups if g not in GROUPS]
     if unknown:
-        print(f"error: --only: {', '.join(unknown)} unknown; choose from {', '.join(GROUP_ARMS)}", file=sys.stderr)
+        print(f"error: --only: {', '.join(unknown)} unknown; choose from {', '.join(GROUPS)}", file=sys.stderr)
         return 2
     data = Path(args.data) if args.data else DEFAULT_DATA
     if not data.exists():
@@ -231,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    budget = BUDGETS["quick" if args.quick else "full"]
+    budget = BUDGETS[tier]
     files = select_files(data, budget["data_bytes"])
     if not files:
         print(
@@ -252,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
             run_dir = root / f"{job['label']}-seed{job['seed']}"
             job.update(
                 run_dir=str(run_dir),
-                overrides=reproduce_arms.arm_overrides(job["label"], common, run_dir, job["seed"]),
+                overrides=reproduce_arms.arm_overrides(job["label"], budget, common, run_dir, job["seed"]),
                 budget=budget,
                 threads=args.threads,
             )
@@ -287,7 +340,7 @@ def main(argv: list[str] | None = None) -> int:
             **corpus,
         },
     }
-    out = Path(args.out)
+    out = Path(args.out) if args.out else DEFAULT_OUTS[tier]
     write_report(out, meta, budget, groups, results)
     print(f"reproduce: {out} written in {meta['wall_seconds'] / 60:.1f} min", flush=True)
     failed = sorted({f"{r['label']} seed {r['seed']}" for r in raw if "error" in r})

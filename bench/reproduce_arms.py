@@ -77,64 +77,60 @@ class LocalWindowAttention(Attention):
 
 
 # ---- arm definitions ------------------------------------------------------------------------
-FOCUS_DEFAULT = {"n_groups": 8, "window": 32, "assignment": "sinkhorn"}  # K = 8 (paper 3.5 / 3.6), w = T / 4
+Arms = dict[str, tuple[dict[str, Any], str, float]]
 
 
-def _focus(**changes: Any) -> dict[str, Any]:
-    opts = {**FOCUS_DEFAULT, **changes}
-    return {"model.attention.kind": "focus", **{f"model.attention.focus.{k}": v for k, v in opts.items()}}
+def window_label(window: int) -> str:
+    """The label of the Focus window-ablation arm at ``window``."""
+    return f"focus_w{window}"
 
 
-# label -> (config overrides, description, relative cost per step on CPU, used for scheduling only)
-ARMS: dict[str, tuple[dict[str, Any], str, float]] = {
-    "full": ({"model.attention.kind": "full"}, "full causal attention (t = 1)", 1.0),
-    "local_window": (
-        {"model.attention.kind": "local_window", "model.attention.local_window.window": 32},
-        "local window only, w = 32",
-        1.2,
-    ),
-    "focus": (_focus(), "Focus, Sinkhorn, K = 8, w = 32", 3.0),
-    "focus_softmax": (_focus(assignment="softmax"), "Focus, softmax assignment, K = 8, w = 32", 3.0),
-    "focus_k2": (_focus(n_groups=2), "Focus, K = 2, w = 32", 3.0),
-    "focus_k4": (_focus(n_groups=4), "Focus, K = 4, w = 32", 3.0),
-    "focus_w16": (_focus(window=16), "Focus, K = 8, w = 16", 3.0),
-    "focus_w64": (_focus(window=64), "Focus, K = 8, w = 64", 3.0),
-    "lazy": ({"model.attention.kind": "lazy"}, "Lazy (distance bias + Elastic-Softmax, tau init 1)", 2.0),
-    "focal_t0.4": (
-        {"model.attention.kind": "focal", "model.attention.focal.mode": "constant", "model.attention.focal.t": 0.4},
-        "Focal, constant t = 0.4",
-        1.0,
-    ),
-    "focal_learned": (
-        {"model.attention.kind": "focal", "model.attention.focal.mode": "learned"},
-        "Focal, learned temperature (tau in [5, 10])",
-        2.5,
-    ),
-    "dga": (
-        {
-            "model.attention.kind": "dga",
-            "model.attention.dga.gamma": 0.1,
-            "model.attention.dga.chunk_size": 32,
-            "model.attention.dga.group_size": 8,
-        },
-        "DGA, gamma = 0.1, m = 8, C = 32",
-        2.0,
-    ),
-    "dga_g0.5": (
-        {
-            "model.attention.kind": "dga",
-            "model.attention.dga.gamma": 0.5,
-            "model.attention.dga.chunk_size": 32,
-            "model.attention.dga.group_size": 8,
-        },
-        "DGA, gamma = 0.5, m = 8, C = 32",
-        2.0,
-    ),
-}
+def arms(budget: dict) -> Arms:
+    """label -> (config overrides, description, relative cost per step on CPU, used for scheduling only).
+
+    The lengths are the budget's: the Focus window (``focus_window``, also the local-window baseline's), the
+    window ablation's pair (``focus_windows``), DGA's chunk and group sizes (``dga_chunk``, ``dga_group``)."""
+    w, c, m = budget["focus_window"], budget["dga_chunk"], budget["dga_group"]
+
+    def focus(**changes: Any) -> dict[str, Any]:
+        opts = {"n_groups": 8, "window": w, "assignment": "sinkhorn"} | changes  # K = 8 (paper 3.5 / 3.6)
+        return {"model.attention.kind": "focus", **{f"model.attention.focus.{k}": v for k, v in opts.items()}}
+
+    def dga(gamma: float) -> dict[str, Any]:
+        keys = {"gamma": gamma, "chunk_size": c, "group_size": m}
+        return {"model.attention.kind": "dga", **{f"model.attention.dga.{k}": v for k, v in keys.items()}}
+
+    windows = {window_label(x): (focus(window=x), f"Focus, K = 8, w = {x}", 3.0) for x in budget["focus_windows"]}
+    return {
+        "full": ({"model.attention.kind": "full"}, "full causal attention (t = 1)", 1.0),
+        "local_window": (
+            {"model.attention.kind": "local_window", "model.attention.local_window.window": w},
+            f"local window only, w = {w}",
+            1.2,
+        ),
+        "focus": (focus(), f"Focus, Sinkhorn, K = 8, w = {w}", 3.0),
+        "focus_softmax": (focus(assignment="softmax"), f"Focus, softmax assignment, K = 8, w = {w}", 3.0),
+        "focus_k2": (focus(n_groups=2), f"Focus, K = 2, w = {w}", 3.0),
+        "focus_k4": (focus(n_groups=4), f"Focus, K = 4, w = {w}", 3.0),
+        **windows,
+        "lazy": ({"model.attention.kind": "lazy"}, "Lazy (distance bias + Elastic-Softmax, tau init 1)", 2.0),
+        "focal_t0.4": (
+            {"model.attention.kind": "focal", "model.attention.focal.mode": "constant", "model.attention.focal.t": 0.4},
+            "Focal, constant t = 0.4",
+            1.0,
+        ),
+        "focal_learned": (
+            {"model.attention.kind": "focal", "model.attention.focal.mode": "learned"},
+            "Focal, learned temperature (tau in [5, 10])",
+            2.5,
+        ),
+        "dga": (dga(0.1), f"DGA, gamma = 0.1, m = {m}, C = {c}", 2.0),
+        "dga_g0.5": (dga(0.5), f"DGA, gamma = 0.5, m = {m}, C = {c}", 2.0),
+    }
 
 
-def arm_overrides(label: str, common: list[str], run_dir: Path, seed: int) -> list[str]:
-    extra = [f"{k}={_toml(v)}" for k, v in ARMS[label][0].items()]
+def arm_overrides(label: str, budget: dict, common: list[str], run_dir: Path, seed: int) -> list[str]:
+    extra = [f"{k}={_toml(v)}" for k, v in arms(budget)[label][0].items()]
     return [*common, *extra, f"run.dir={run_dir}", f"train.seed={seed}"]
 
 

@@ -75,7 +75,8 @@ def _gate_x(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) 
 def _factor(g_q: Tensor, g_k: Tensor, lam: Tensor, blk: _Block, additive: bool) -> Tensor:
     """sigmoid(x) on the gated pairs, 1 inside the window, 0 after the query (additive) / sigmoid(x) unmasked at
     the future (multiplicative: those logits are masked separately): [B, Bq, kend]. The additive gate is its log."""
-    # out of place: selective activation checkpointing keeps the matmul's output for the replay (model/activation_checkpointing.py)
+    # out of place: selective activation checkpointing keeps the matmul's output for the replay
+    # (model/activation_checkpointing.py)
     factor = torch.sigmoid(_gate_x(g_q, g_k, lam, blk, additive))
     tail = factor[:, :, blk.far :]
     tail.masked_fill_(blk.near, 1.0)
