@@ -267,9 +267,17 @@ class Estimate:
 
 
 def meta_model(cfg: RunConfig) -> Transformer:
+    """The run's model on the meta device, its trainable set as the run starts (``train.freeze`` /
+    ``train.trainable``: a frozen parameter gets no gradient and no AdamW state). A two-phase run
+    (``train.unfreeze_at``) ends up training everything, so it is sized for that phase."""
     from model.transformer import build_model
+    from pretrain.freezing import check_patterns, is_trainable
 
-    return build_model(cfg.model, device="meta")
+    model = build_model(cfg.model, device="meta")
+    check_patterns(model, cfg.train)
+    for name, p in model.named_parameters():
+        p.requires_grad_(bool(cfg.train.unfreeze_at) or is_trainable(name, cfg.train, 0))
+    return model
 
 
 def _divisors(n: int) -> list[int]:

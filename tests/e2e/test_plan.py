@@ -34,6 +34,8 @@ SHAPE = {
 }
 LAYOUTS = {  # label -> (processes, overrides, layout)
     "single": (0, {}, Layout(1, 1, 1, 1)),
+    # a frozen parameter has no gradient and no optimizer state (the embedding: the blocks save what they did)
+    "single_frozen": (0, {"train.freeze": ["tok_emb.*"]}, Layout(1, 1, 1, 1)),
     "dp2": (2, {"train.engine": "fsdp2"}, Layout(1, 2, 1, 1)),
     "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}, Layout(1, 1, 1, 2)),
     "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2}, Layout(1, 1, 2, 1)),
