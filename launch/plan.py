@@ -157,14 +157,16 @@ def max_state_bytes(model: Transformer, layout: Layout) -> StateBytes:
 # ---- activations --------------------------------------------------------------------------
 
 
-def _norm_bytes(norm: nn.Module, d: int, a: int) -> int:
+def _norm_bytes(norm: nn.Module, d: int, a: int, sequence_parallel: bool = False) -> int:
     """Per token: RMSNorm keeps its input, the normalised input, the output and a reciprocal RMS; LayerNorm its
-    input and output and a float32 mean and rstd."""
+    input and output and a float32 mean and rstd. Under sequence parallelism the output (this rank's tokens) is
+    not kept: the projections keep its all-gathered copy (``activation_bytes``)."""
     from torch import nn
 
+    output = 0 if sequence_parallel else d * a
     if isinstance(norm, nn.LayerNorm):
-        return 2 * d * a + 8
-    return 3 * d * a + a
+        return d * a + output + 8
+    return 2 * d * a + output + a
 
 
 @dataclass(frozen=True)
@@ -176,38 +178,55 @@ class ActivationBytes:
 
 
 def activation_bytes(
-    model: Transformer, *, micro: int, seq_len: int, cp: int, tp: int, mode: str, dtype_bytes: int
+    model: Transformer,
+    *,
+    micro: int,
+    seq_len: int,
+    cp: int,
+    tp: int,
+    mode: str,
+    dtype_bytes: int,
+    sequence_parallel: bool,
 ) -> ActivationBytes:
-    """One rank's saved activations for a micro-batch of ``micro`` sequences (see docs/planner.md)."""
+    """One rank's saved activations for a micro-batch of ``micro`` sequences (see docs/planner.md). Under sequence
+    parallelism (``tp`` > 1) the residual stream's terms (norms, dropout masks, a checkpointed block's input) count
+    1 / tp of the rank's tokens, and the projections save the all-gathered inputs of attention, the MLP and the
+    head instead of the norms' outputs."""
     cfg, a = model.cfg, dtype_bytes
     tokens = seq_len // cp  # this rank's tokens of each sequence
+    sp = sequence_parallel and tp > 1
+    stream = tokens // tp if sp else tokens  # the residual stream's tokens on this rank
     d, head_dim = cfg.d_model, cfg.head_dim
     hq, hkv = cfg.n_heads // tp, cfg.kv_heads // tp
     ffn = cfg.ffn_dim // tp
     layers = []
     for block in model.blocks:
-        per_token = _norm_bytes(block.norm1, d, a) + _norm_bytes(block.norm2, d, a)
+        per_token = (4 if block.mlp.gate is not None else 2) * ffn * a
         if block.attn.q_norm is not None:  # input, normalised input, reciprocal RMS of q and k
             per_token += (2 * (hq + hkv) * head_dim + hq + hkv) * a
-        per_token += (4 if block.mlp.gate is not None else 2) * ffn * a
+        per_stream_token = _norm_bytes(block.norm1, d, a, sp) + _norm_bytes(block.norm2, d, a, sp)
+        if sp:  # attention's and the MLP's gathered inputs, saved by their projections
+            per_token += 2 * d * a
         if cfg.dropout > 0:
-            per_token += 2 * d  # two boolean masks
+            per_stream_token += 2 * d  # two boolean masks
         core = block.attn.core.saved_activation_bytes(
             q_tokens=tokens, k_tokens=seq_len if cp > 1 else tokens, heads=hq, kv_heads=hkv, dtype_bytes=a
         )
         if cp > 1:  # the CP driver concatenates the two chunks' outputs: the output projection saves that copy
             per_token += hq * head_dim * a
-        full_layer = micro * (tokens * per_token + core)
+        full_layer = micro * (tokens * per_token + stream * per_stream_token + core)
         if mode == "none":
             kept = full_layer
         elif mode == "full":
-            kept = micro * tokens * d * a  # the block's input
+            kept = micro * stream * d * a  # the block's input
         else:  # selective: the matmuls' and the attention kernel's outputs are kept, the rest recomputed
             gated = 2 if block.mlp.gate is not None else 1
             mm = (hq + 2 * hkv) * head_dim + 2 * d + gated * ffn + d
             kept = micro * (tokens * (mm + hq * head_dim) * a + tokens * hq * 4)
         layers.append((full_layer, kept))
-    final = micro * tokens * (_norm_bytes(model.norm_f, d, a) + 4 * cfg.vocab_size + 16)
+    final = micro * (stream * _norm_bytes(model.norm_f, d, a, sp) + tokens * (4 * cfg.vocab_size + 16))
+    if sp:
+        final += micro * tokens * d * a  # the head's gathered input
     if model.rope is not None:
         final += 2 * tokens * head_dim * a
     kept = sum(k for _, k in layers)
@@ -327,6 +346,7 @@ def plan(cfg: RunConfig, gpus: int, memory: int, *, gpus_per_node: int = 8, rese
                 tp=layout.tp,
                 mode=ac,
                 dtype_bytes=dtype_bytes,
+                sequence_parallel=cfg.train.parallel.sequence_parallel,
             )
             out.append(Estimate(replace(layout, ac=ac), micro, state, act.total, working, capacity))
     return out
@@ -397,7 +417,7 @@ def emitted_config(raw: dict, chosen: Estimate) -> dict:
     train.setdefault("fsdp2", {})["replicate"] = lay.dp_replicate
     if lay.tp > 1 or lay.cp > 1:
         train["compile"] = False  # not supported with tp / cp > 1 yet (run.parallel.check_layout)
-        train["parallel"] = {"tp": lay.tp, "cp": lay.cp}
+        train.setdefault("parallel", {}).update(tp=lay.tp, cp=lay.cp)  # the config's sequence_parallel stays
     else:
         train.pop("parallel", None)
     return raw

@@ -25,6 +25,9 @@ class ParallelConfig:
 
     tp: int = 1  # tensor parallel degree: heads and MLP columns split over tp ranks (fsdp2 only)
     cp: int = 1  # context parallel degree: each sequence split into 2 x cp chunks over cp ranks (fsdp2 only)
+    # with tp > 1: the residual stream between the blocks (norms, dropout, residual adds) is split over the TP ranks
+    # on the sequence dimension, all-gathered before q/k/v and the MLP, reduce-scattered after wo and down
+    sequence_parallel: bool = True
 
     def validate(self, prefix: str) -> None:
         check_min(prefix + "tp", self.tp, 1)
@@ -72,6 +75,12 @@ def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
 
         # the sequence splits into 2 x cp chunks, each a multiple of the variant's own chunk; the variant has a CP form
         check_context_parallel(model.attention.kind, model.attention.variant, seq_len, par.cp)
+    if par.tp > 1 and par.sequence_parallel and seq_len % par.model_parallel:
+        # each rank's seq_len / cp tokens split over the TP ranks between the blocks
+        raise ConfigError(
+            f"data.seq_len: {seq_len} is not divisible by train.parallel.cp x tp = {par.model_parallel} (sequence "
+            "parallelism splits each rank's tokens over the TP ranks; or set train.parallel.sequence_parallel = false)"
+        )
 
 
 def data_parallel_size(train: TrainLayout, world_size: int) -> int:

@@ -266,7 +266,7 @@ class FSDP2Engine(DataParallelEngine):
 
             self.data_group = dims.data_group()
             self.tp_size = dims.tp
-            apply_tp(model, tp_mesh)
+            apply_tp(model, tp_mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
         cp_mesh = dims.cp_mesh()
         if cp_mesh is not None:  # after TP (the cores see their local heads), before AC, compile and the FSDP2 wrap
             from model.transformer import apply_context_parallel

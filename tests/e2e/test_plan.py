@@ -1,9 +1,9 @@
 """The layout planner (``launch.plan``) against what real runs hold: one optimizer step of a tiny LLaMA model (GQA)
-in fp32 on CPU under four layouts, one process (the single engine) and, in one launch of 2 gloo processes, fsdp2
-over dp=2, tp=2 and cp=2. Each rank writes its local state's bytes (``PRETRAIN_STATE_SIZES``,
-``pretrain.state_sizes``); the planner's parameter, gradient and optimizer bytes must equal every rank's exactly,
-and its activation estimate must be within 25% of the bytes the rank's autograd graph saved for the backward (no
-activation checkpointing: that is the peak of saved activations).
+in fp32 on CPU under five layouts, one process (the single engine) and, in one launch of 2 gloo processes, fsdp2
+over dp=2, tp=2 (with and without sequence parallelism) and cp=2. Each rank writes its local state's bytes
+(``PRETRAIN_STATE_SIZES``, ``pretrain.state_sizes``); the planner's parameter, gradient and optimizer bytes must
+equal every rank's exactly, and its activation estimate must be within 25% of the bytes the rank's autograd graph
+saved for the backward (no activation checkpointing: that is the peak of saved activations).
 """
 
 from __future__ import annotations
@@ -37,7 +37,12 @@ LAYOUTS = {  # label -> (processes, overrides, layout)
     # a frozen parameter has no gradient and no optimizer state (the embedding: the blocks save what they did)
     "single_frozen": (0, {"train.freeze": ["tok_emb.*"]}, Layout(1, 1, 1, 1)),
     "dp2": (2, {"train.engine": "fsdp2"}, Layout(1, 2, 1, 1)),
-    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}, Layout(1, 1, 1, 2)),
+    "tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}, Layout(1, 1, 1, 2)),  # sequence parallel
+    "tp2_nosp": (
+        2,
+        {"train.engine": "fsdp2", "train.parallel.tp": 2, "train.parallel.sequence_parallel": False},
+        Layout(1, 1, 1, 2),
+    ),
     "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2}, Layout(1, 1, 2, 1)),
 }
 ACTIVATION_TOL = 0.25
@@ -50,7 +55,7 @@ def _args(root: Path, cache_dir: Path, label: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def launched(root, cache_dir) -> dict[str, str]:
-    """Every layout's run: one launch per process count (2 gloo processes run dp2, tp2 and cp2 in sequence)."""
+    """Every layout's run: one launch per process count (2 gloo processes run dp2, the tp2s and cp2 in sequence)."""
     status: dict[str, str] = {}
     for nproc in sorted({n for n, _, _ in LAYOUTS.values()}):
         runs = {label: _args(root, cache_dir, label) for label, (n, _, _) in LAYOUTS.items() if n == nproc}
@@ -82,7 +87,14 @@ def test_planner_matches_the_sharded_state(label, launched, root, cache_dir):
         tp_rank, shard_rank = layout.coordinates(measured["rank"])
         state = state_bytes(model, layout, tp_rank, shard_rank)
         act = activation_bytes(
-            model, micro=micro, seq_len=cfg.data.seq_len, cp=layout.cp, tp=layout.tp, mode="none", dtype_bytes=4
+            model,
+            micro=micro,
+            seq_len=cfg.data.seq_len,
+            cp=layout.cp,
+            tp=layout.tp,
+            mode="none",
+            dtype_bytes=4,
+            sequence_parallel=cfg.train.parallel.sequence_parallel,
         )
         error = act.total / measured["activations"] - 1
         FIGURES[f"{label} rank {measured['rank']}"] = [

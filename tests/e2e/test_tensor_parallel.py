@@ -6,9 +6,12 @@ does) on LLaMA blocks with GQA, full attention on a GPT-2 block (LayerNorm, bias
 head split over the vocabulary, QK-norm): ``tp=2`` and ``cp=2`` (2 processes), ``dp=2 x tp=2`` and ``dp=2 x cp=2``
 (4 processes, FSDP2 over dp, and over dp x cp) runs of 10 steps give the single-process run's training loss and
 gradient norm at every step within 1e-5 relative; so does full attention with document masking (GPT-2's learned
-and LLaMA's rotary positions restarting per document) under ``cp=2``. One launch per layout runs every case in
-sequence (tests/e2e/run_sequence.py). The loader is indexed by the data-parallel rank, so each layout trains on
-the same global batches; the CP ranks of a replica split each sequence.
+and LLaMA's rotary positions restarting per document) under ``cp=2`` and ``tp=2``. Tensor parallelism runs with
+sequence parallelism (``train.parallel.sequence_parallel``, the default: the residual stream split on the sequence
+over the TP ranks), and a few cases without it, with activation checkpointing, and under ``tp=2 x cp=2`` (hosted
+in another layout's launch). One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The
+loader is indexed by the data-parallel rank, so each layout trains on the same global batches; the CP ranks of a
+replica split each sequence. Runs stopped at step 5 under ``cp=2`` and ``tp=2`` resume under another layout.
 """
 
 from __future__ import annotations
@@ -56,17 +59,28 @@ LAYOUTS = {  # label -> (processes, overrides)
     "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2, **VAL_DP1}),
     "dp2_cp2": (4, {"train.engine": "fsdp2", "train.parallel.cp": 2}),
 }
-WITH_DOCUMENTS = ("single", "cp2")  # the layouts that also run the DOCUMENTS cases
-# tp=2 x cp=2 (4 processes, dp=1) rides in the dp2_cp2 launch (each run builds its own mesh), for two variants
-# with their own parameters (the TP local-tensor swap must cover the CP path): Focus (replicated, read while
-# gathering the routing scores) and Lazy (split with the heads); every variant passed once (docs/parallel.md)
-HOSTED = {"tp2_cp2": ("dp2_cp2", {"train.parallel.tp": 2, **VAL_DP1})}
-HOSTED_CASES = ("focus/soft-prefix", "lazy/default")
-# a cp=2 run stopped at step 5 (in the cp2 launch) resumes under another layout (DCP reshards); Focus: centroids, a
-# learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
+# the layouts that also run the DOCUMENTS cases: under tp=2 sequence parallelism splits the per-document positions
+WITH_DOCUMENTS = ("single", "cp2", "tp2")
+# label -> (the launch that hosts it, its overrides, its cases): layouts that ride in another launch of their
+# process count (each run builds its own mesh)
+HOSTED = {
+    # tp=2 x cp=2 (4 processes, dp=1; sequence parallelism splits each CP rank's chunks over TP), for full attention
+    # on GPT-2 (learned positions at the CP chunks' global positions, split over TP; the tied head) and two variants
+    # with their own parameters (the TP local-tensor swap must cover the CP path): Focus (replicated, read while
+    # gathering the routing scores) and Lazy (split with the heads); every variant passed once (docs/parallel.md)
+    "tp2_cp2": ("dp2_cp2", {"train.parallel.tp": 2, **VAL_DP1}, ("full/default", "focus/soft-prefix", "lazy/default")),
+    # the replicated residual stream (sequence parallelism off) stays right
+    "tp2_nosp": ("tp2", {"train.parallel.sequence_parallel": False}, ("full/default", "focus/soft-prefix")),
+    # activation checkpointing recomputes a block under sequence parallelism (its gathers run again)
+    "tp2_ac_full": ("tp2", {"train.activation_checkpointing": "full"}, ("full/default",)),
+    "tp2_ac_selective": ("tp2", {"train.activation_checkpointing": "selective"}, ("focus/soft-prefix",)),
+}
+# runs stopped at step 5 (in the cp2 and tp2 launches) resume under another layout (DCP reshards); Focus: centroids,
+# a learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
 RESUME_CASES = ("focus/soft-prefix", "full/default")
 RESUME_AT = 5
 RESUME_AS = {"tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}), "single": (0, {})}
+RESUMES = {"cp2": ("tp2", "single"), "tp2": ("single",)}  # stopped under -> resumed as
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
@@ -95,10 +109,10 @@ def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
             cases |= {case: options | local for case, options in DOCUMENTS.items()}
         if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
             cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
-        for label, (host, more) in HOSTED.items():
+        for label, (host, more, hosted) in HOSTED.items():
             if host == layout:
-                cases |= {f"{label}/{case}": CASES[case] | more for case in HOSTED_CASES}
-        if layout == "cp2":
+                cases |= {f"{label}/{case}": CASES[case] | more for case in hosted}
+        if layout in RESUMES:
             stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
             cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
         runs = {  # eval.batch_size 1: the same 2 validation sequences on every layout
@@ -137,8 +151,8 @@ def test_document_masking_is_not_a_no_op(root, cache_dir):
 
 LAYOUT_CASES = (
     [(lay, c) for lay in LAYOUTS if lay != "single" for c in CASES]
-    + [("cp2", c) for c in DOCUMENTS]
-    + [(lay, c) for lay in HOSTED for c in HOSTED_CASES]
+    + [(lay, c) for lay in WITH_DOCUMENTS if lay != "single" for c in DOCUMENTS]
+    + [(lay, c) for lay, (_, _, hosted) in HOSTED.items() for c in hosted]
 )
 
 
@@ -160,27 +174,43 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
         assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
 
 
-@pytest.mark.parametrize("target", RESUME_AS)
-def test_a_cp2_run_resumes_under_another_layout(target, root, cache_dir):
-    """Stopped at step 5 under cp=2, resumed as tp=2 and as one process: steps 6-10 are the single-process run's."""
-    status, reference = _launch("cp2", root, cache_dir), _launch("single", root, cache_dir)
-    nproc, extra = RESUME_AS[target]
-    extra = extra | {"checkpoint.every": RESUME_AT}
-    runs = {}
+_resumed: dict[str, dict[str, str]] = {}
+
+
+def _resume(target: str, root: Path, cache_dir: Path) -> dict[str, str]:
+    """Every stopped run that resumes as ``target``, in one launch (memoised): ``<source>/<case>`` -> status."""
+    if target not in _resumed:
+        nproc, extra = RESUME_AS[target]
+        extra = extra | {"checkpoint.every": RESUME_AT}
+        runs = {}
+        for source, targets in RESUMES.items():
+            if target not in targets:
+                continue
+            status = _launch(source, root, cache_dir)
+            for case in RESUME_CASES:
+                assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
+                run_dir = _run_dir(root, f"resume_{target}", f"{source}/{case}")
+                shutil.copytree(_run_dir(root, source, f"stopped/{case}"), run_dir)
+                runs[f"{source}/{case}"] = overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra})
+        _resumed[target] = run_sequence(nproc, runs, root / f"resume_{target}.status.json", timeout=600)
+    return _resumed[target]
+
+
+@pytest.mark.parametrize(("source", "target"), [(s, t) for s, targets in RESUMES.items() for t in targets])
+def test_a_stopped_run_resumes_under_another_layout(source, target, root, cache_dir):
+    """Stopped at step 5 under cp=2 (resumed as tp=2 and as one process) or under tp=2 with sequence parallelism
+    (resumed as one process): steps 6-10 are the single-process run's."""
+    resumed, reference = _resume(target, root, cache_dir), _launch("single", root, cache_dir)
+    key = source.rstrip("0123456789")  # the degree the history line names: cp2 -> cp
     for case in RESUME_CASES:
-        assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
-        run_dir = _run_dir(root, f"resume_{target}", case)
-        shutil.copytree(_run_dir(root, "cp2", f"stopped/{case}"), run_dir)
-        runs[case] = overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra})
-    resumed = run_sequence(nproc, runs, root / f"resume_{target}.status.json", timeout=600)
-    for case in RESUME_CASES:
-        assert reference[case] == "ok" and resumed[case] == "ok", (reference[case], resumed[case])
-        run_dir = _run_dir(root, f"resume_{target}", case)
-        assert f"{HISTORY_PREFIX}{RESUME_AT}: train.parallel.cp: 2 -> 1" in (run_dir / "config.toml").read_text()
+        name = f"{source}/{case}"
+        assert reference[case] == "ok" and resumed[name] == "ok", (reference[case], resumed[name])
+        run_dir = _run_dir(root, f"resume_{target}", name)
+        assert f"{HISTORY_PREFIX}{RESUME_AT}: train.parallel.{key}: 2 -> 1" in (run_dir / "config.toml").read_text()
         run, ref = train_rows(run_dir), train_rows(_run_dir(root, "single", case))
         assert sorted(run) == sorted(ref) == list(range(1, STEPS + 1))
         keys = ("loss", "grad_norm")
         worst = {k: worst_relative({s: run[s][k] for s in run}, {s: ref[s][k] for s in ref}) for k in keys}
-        SUMMARY[(f"cp2 -> {target} at step {RESUME_AT}", case)] = worst
-        for key in keys:
-            assert worst[key] <= TOL, f"{case} {key}: worst relative difference {worst[key]:.3g} against one process"
+        SUMMARY[(f"{source} -> {target} at step {RESUME_AT}", case)] = worst
+        for key_ in keys:
+            assert worst[key_] <= TOL, f"{case} {key_}: worst relative difference {worst[key_]:.3g} against one process"

@@ -26,6 +26,11 @@ IMPOSSIBLE = {  # label -> (overrides, the one line's start)
         "train.parallel.tp: 4 does not divide model.n_kv_heads=2",
     ),
     "cp_seq_len": ([FSDP2, "data.seq_len=250", "train.parallel.cp=4"], "data.seq_len: 250 is not divisible by 2 x"),
+    # sequence parallelism splits each CP rank's seq_len / cp tokens over the TP ranks
+    "sp_seq_len": (
+        [FSDP2, "data.seq_len=252", "train.parallel.cp=2", "train.parallel.tp=4"],
+        "data.seq_len: 252 is not divisible by train.parallel.cp x tp = 8 (sequence parallelism splits",
+    ),
     "ddp_tp": (["train.engine=ddp", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine that hosts"),
     "deepspeed_tp": (["train.engine=deepspeed", "train.parallel.tp=2"], "train.parallel.tp: 2 needs an engine"),
     "single_cp": (["train.parallel.cp=2"], "train.parallel.cp: 2 needs an engine that hosts"),
@@ -72,9 +77,17 @@ def test_world_size_must_be_dp_x_cp_x_tp(capsys, monkeypatch):
     assert submit.main([*launch, "--gpus-per-node", "4"]) == 0  # dp 2 x tp 2: the batch of 16 splits over dp
 
 
+def test_sequence_parallelism_off_lifts_its_seq_len_check(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    sets = [FSDP2, "data.seq_len=252", "train.parallel.cp=2", "train.parallel.tp=4"]
+    cfg = load_run_config(TINY, [*sets, "train.parallel.sequence_parallel=false"])
+    assert not cfg.train.parallel.sequence_parallel
+
+
 def test_default_layout_is_data_parallel_only():
     cfg = load_run_config(TINY, [])
     assert (cfg.train.parallel.tp, cfg.train.parallel.cp) == (1, 1)
+    assert cfg.train.parallel.sequence_parallel  # meaningful only with tp > 1
     assert data_parallel_size(cfg.train, 5) == 5
     assert "[train.parallel]" in cfg.to_toml()
 
