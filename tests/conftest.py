@@ -41,6 +41,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
     )
+    _share_cores_between_workers(config)
+
+
+def _share_cores_between_workers(config: pytest.Config) -> None:
+    """A pytest-xdist worker (and every process it launches) gets its share of the cores as torch threads. With
+    torch's default (every core per process) two workers on two cores run four busy threads, and each of an
+    attention path's hundreds of small ops waits at its parallel region's barrier for a descheduled thread: the
+    blockwise training paths ran 3-5x slower beside another worker than alone. An explicit OMP_NUM_THREADS wins."""
+    workers = getattr(config, "workerinput", {}).get("workercount", 1)
+    if workers < 2 or "OMP_NUM_THREADS" in os.environ:
+        return
+    threads = max(1, (os.cpu_count() or 1) // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)  # subprocesses: torchrun keeps a value it is given
+    import torch
+
+    torch.set_num_threads(threads)
 
 
 def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> None:
