@@ -9,8 +9,9 @@ with overrides for Focus hard mode and pre-scored HyperAttention at inference).
 Arms run in worker processes (one thread each), so ``run_arm`` takes and returns plain dicts.
 
 The local-window-only baseline of the Focus paper (section 3.5) has no variant in ``model/``, so a
-small one is registered here (``local_window``: causal softmax attention over the last ``window``
-keys); it is only visible to processes that import this module.
+small one is defined here (``local_window``: causal softmax attention over the last ``window``
+keys). It is registered only while an arm runs (``local_window_registered``), so importing this module
+leaves the product's registry, and every test parametrised from it, as it was.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import contextlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 
 from core.errors import check_min
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention
+from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention, registry
 
 if TYPE_CHECKING:
     from data.build import Corpus
@@ -46,7 +48,6 @@ class LocalWindowConfig(VariantConfig):
         check_min(prefix + "window", self.window, 1)
 
 
-@register_attention("local_window", LocalWindowConfig)
 class LocalWindowAttention(Attention):
     """Causal softmax attention restricted to the last ``window`` keys (sliding window)."""
 
@@ -74,6 +75,19 @@ class LocalWindowAttention(Attention):
             q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(self.spec.head_dim), enable_gqa=k.shape[1] != q.shape[1]
         )
         return AttnOut(out)
+
+
+@contextlib.contextmanager
+def local_window_registered() -> Iterator[None]:
+    """Register ``local_window`` for the duration of the block (an arm's training and evaluation), then remove
+    it again unless it was there before: a test process that runs an arm in-process keeps a clean registry."""
+    added = "local_window" not in registry
+    register_attention("local_window", LocalWindowConfig)(LocalWindowAttention)
+    try:
+        yield
+    finally:
+        if added:
+            registry.pop("local_window", None)
 
 
 # ---- arm definitions ------------------------------------------------------------------------
@@ -305,7 +319,7 @@ def run_arm(job: dict) -> dict:
     result: dict[str, Any] = {"label": job["label"], "seed": job["seed"]}
     log = open(run_dir / "reproduce.log", "w")  # noqa: SIM115 - closed below; the trainer prints progress
     try:
-        with contextlib.redirect_stdout(log):
+        with contextlib.redirect_stdout(log), local_window_registered():
             result.update(_train_and_measure(job, run_dir))
     except Exception as exc:  # one failed arm must not lose the others: the claims it feeds say so
         result["error"] = f"{type(exc).__name__}: {exc}"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from bench.reproduce import BUDGETS, DEFAULT_OUTS, GROUPS, common_overrides, plan
-from bench.reproduce_arms import arm_overrides, arms
+from bench.reproduce_arms import arm_overrides, arms, local_window_registered
 from bench.reproduce_claims import (
     FAILS,
     HOLDS,
@@ -122,9 +122,22 @@ def test_every_context_arm_is_a_valid_run_config(tmp_path):
     budget = BUDGETS["context"]
     (tmp_path / "a.txt").write_text("text")
     common = common_overrides(budget, tmp_path, "")
-    for label in arms(budget):
-        cfg = load_run_config(None, arm_overrides(label, budget, common, tmp_path / label, 0))
-        assert cfg.data.seq_len == 512, label
+    with local_window_registered():
+        for label in arms(budget):
+            cfg = load_run_config(None, arm_overrides(label, budget, common, tmp_path / label, 0))
+            assert cfg.data.seq_len == 512, label
+
+
+def test_the_local_window_baseline_is_registered_only_while_an_arm_runs():
+    """The bench's baseline must not leak into the product's registry: every registry-parametrised test and
+    every saved config (``model.attention.<variant>`` keys) would otherwise change in a process that imported
+    the bench (a suite worker did, and a run's config then named a key no other process knew)."""
+    from model.attention import registry
+
+    assert "local_window" not in registry
+    with local_window_registered():
+        assert "local_window" in registry
+    assert "local_window" not in registry
 
 
 def test_claims_name_the_tiers_windows_chunks_and_lengths():
