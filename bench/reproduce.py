@@ -11,9 +11,9 @@ to ``--out`` with JSON and plots in the folder beside it (``docs/reproduce/``).
 Claim groups (``--only``): focus, lazy, focal, dga, prescored_hyper. Three tiers (budgets), each
 sized for 2 CPU cores: the default one trains at 128 tokens (Focus window 32, DGA chunk 32; under 30
 minutes, report in docs/reproduce.md), ``--quick`` is a smaller model and fewer steps for a few
-minutes, and ``--context`` trains at 512 tokens with the papers' settings at that length (Focus
-window 128, Lazy evaluated from 512 to 2048 tokens, DGA chunk 128 and group 16; about 45 minutes,
-report in docs/reproduce_context.md).
+minutes (report under runs/reproduce_quick/, not over the committed one), and ``--context`` trains at
+512 tokens with the papers' settings at that length (Focus window 128, Lazy evaluated from 512 to 2048
+tokens, DGA chunk 128 and group 16; about 45 minutes, report in docs/reproduce_context.md).
 Data: a folder of ``.txt`` files (default: the novels corpus at ``../shared/data/english_novels``
 beside the repository); the first files by name, up to a byte budget, are used.
 """
@@ -108,7 +108,12 @@ _CONTEXT["about"] = (
     f"{_CONTEXT['dga_group']}); the default tier, at {_FULL['seq_len']} tokens, is reported in docs/reproduce.md"
 )
 BUDGETS: dict[str, dict[str, Any]] = {"full": _FULL, "quick": _QUICK, "context": _CONTEXT}
-DEFAULT_OUTS = {"full": DEFAULT_OUT, "quick": DEFAULT_OUT, "context": REPO / "docs" / "reproduce_context.md"}
+# --quick is a smoke run: its report goes under runs/ (ignored by git), never over a committed measured report
+DEFAULT_OUTS = {
+    "full": DEFAULT_OUT,
+    "quick": REPO / "runs" / "reproduce_quick" / "reproduce.md",
+    "context": REPO / "docs" / "reproduce_context.md",
+}
 
 # a run trained only to be measured: no periodic checkpoints (one kept) or evaluation, no loggers
 MEASUREMENT_RUN = [
@@ -255,7 +260,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         default="",
         help="markdown report; JSON and plots go in the folder beside it (default: docs/reproduce.md, "
-        "docs/reproduce_context.md with --context)",
+        "docs/reproduce_context.md with --context, runs/reproduce_quick/reproduce.md with --quick)",
     )
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="arms trained at once")
     p.add_argument("--threads", type=int, default=1, help="torch threads per arm")
