@@ -171,7 +171,12 @@ def test_two_pass_flex_composition_in_float32(flex_backward_on_cpu):
     )
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-4)
     for got, want in zip(fast_grads, ref_grads):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-3)
+        # A bias-table entry sums thousands of pair gradients that cancel (the last entry, every distance past the
+        # table): its float32 error scales with the table's largest entries, not with its own (an entry of 0.029
+        # among entries up to 6 moved by 1.4e-4 between runs: FlexAttention accumulates captured-tensor gradients
+        # in a thread-dependent order). Exactness is the float64 test's.
+        scale = max(1.0, want.abs().max().item())
+        torch.testing.assert_close(got, want, atol=1e-4 * scale, rtol=1e-3)
 
 
 def test_causal_block_masks_are_cached_per_shape_and_decode_needs_none():
