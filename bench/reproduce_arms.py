@@ -20,7 +20,6 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +30,7 @@ from torch import Tensor, nn
 
 from core.errors import check_min
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, register_attention, registry
+from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, attention_registered
 
 if TYPE_CHECKING:
     from data.build import Corpus
@@ -77,17 +76,10 @@ class LocalWindowAttention(Attention):
         return AttnOut(out)
 
 
-@contextlib.contextmanager
-def local_window_registered() -> Iterator[None]:
-    """Register ``local_window`` for the duration of the block (an arm's training and evaluation), then remove
-    it again unless it was there before: a test process that runs an arm in-process keeps a clean registry."""
-    added = "local_window" not in registry
-    register_attention("local_window", LocalWindowConfig)(LocalWindowAttention)
-    try:
-        yield
-    finally:
-        if added:
-            registry.pop("local_window", None)
+def local_window_registered() -> contextlib.AbstractContextManager[type[Attention]]:
+    """``local_window`` in the attention registry for the duration of the block (an arm's training and
+    evaluation), then removed: a test process that runs an arm in-process keeps the product's registry."""
+    return attention_registered("local_window", LocalWindowConfig, LocalWindowAttention)
 
 
 # ---- arm definitions ------------------------------------------------------------------------

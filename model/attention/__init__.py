@@ -8,6 +8,7 @@ from model.attention.base import (  # noqa: F401
     LayerSpec,
     SuiteCase,
     VariantConfig,
+    attention_registered,
     build_attention,
     register_attention,
     registry,

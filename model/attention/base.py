@@ -10,7 +10,8 @@ one); the caller never chooses a kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
@@ -333,6 +334,20 @@ def register_attention(name: str, config_cls: type) -> Callable[[type[Attention]
         return cls
 
     return wrap
+
+
+@contextlib.contextmanager
+def attention_registered(name: str, config_cls: type, cls: type[Attention]) -> Iterator[type[Attention]]:
+    """``register_attention`` for the duration of a block, then the registry as it was: a variant that is not
+    the product's (a benchmark's baseline, a test's throwaway) never outlives its use in a shared process, where
+    every registry-driven test and every saved config would otherwise see it."""
+    added = name not in registry
+    register_attention(name, config_cls)(cls)
+    try:
+        yield cls
+    finally:
+        if added:
+            registry.pop(name, None)
 
 
 def build_attention(kind: str, cfg: Any, spec: LayerSpec, impl: str = "auto") -> Attention:

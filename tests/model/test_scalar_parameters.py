@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, VariantConfig, register_attention, registry
+from model.attention.base import Attention, AttnOut, VariantConfig, attention_registered, registry
 from model.config import AttentionConfig
 from model.transformer import build_model
 from tests.conftest import small_model_config
@@ -31,15 +31,12 @@ def test_a_variant_with_a_0_dim_parameter_is_named_when_the_model_is_built():
             p = ref.masked_softmax(ref.scores(q, k, self.temperature), ref.causal_mask(q_pos, k_pos))
             return AttnOut(ref.weighted_values(p, v, q.dtype))
 
-    register_attention("scalar_test", _ScalarConfig)(Scalar)
-    try:
+    with attention_registered("scalar_test", _ScalarConfig, Scalar):
         cfg = small_model_config(
             n_layers=2, attention=AttentionConfig(kind="scalar_test", options={"scalar_test": _ScalarConfig()})
         )
         with pytest.raises(ValueError, match=r"'scalar_test': 0-dim parameters blocks\.0\.attn\.core\.temperature, "):
             build_model(cfg)
-    finally:
-        del registry["scalar_test"]
 
 
 def test_no_registered_variant_has_a_0_dim_parameter():
