@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from core.errors import check_min
-from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, VariantConfig, attention_registered
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, KVCache, VariantConfig, attention_registered
 
 if TYPE_CHECKING:
     from data.build import Corpus
@@ -211,7 +211,7 @@ def focus_topk(ckpt: Path, wins: list[torch.Tensor], n_groups: int) -> dict[str,
 
 def kv_cache_bytes(model: Transformer, corpus: Corpus, contexts: list[int]) -> dict[str, dict]:
     """Bytes every layer's KV cache holds after prefilling ``L`` held-out tokens and decoding one more."""
-    from model.attention.base import kv_cache_nbytes
+    from model.attention.common.base import kv_cache_nbytes
 
     assert corpus.val is not None  # a prepared corpus has its split
 

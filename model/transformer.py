@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from model.activation_checkpointing import checkpointed
 from model.attention import AttnOut, KVCache, LayerSpec, build_attention
-from model.attention.context_parallel import ContextParallel
+from model.attention.common.context_parallel import ContextParallel
 from model.config import ModelConfig
 from model.documents import document_ids, document_positions
 from model.rope import RotaryEmbedding, apply_rope

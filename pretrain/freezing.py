@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from core.errors import ConfigError
-from model.attention.base import Attention
+from model.attention.common.base import Attention
 
 if TYPE_CHECKING:
     from run.config import TrainConfig

@@ -71,7 +71,7 @@ def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
             # compiled blocks around the per-layer K/V all-gather matched one process for full and Focus, but DGA's
             # compiled cp=2 run had not logged a step after 8 minutes: not verified for every variant yet
             raise ConfigError("train.compile: not supported with train.parallel.cp > 1 yet; set train.compile = false")
-        from model.attention.context_parallel import check_context_parallel  # torch: only for a CP layout
+        from model.attention.common.context_parallel import check_context_parallel  # torch: only for a CP layout
 
         # the sequence splits into 2 x cp chunks, each a multiple of the variant's own chunk; the variant has a CP form
         check_context_parallel(model.attention.kind, model.attention.variant, seq_len, par.cp)

@@ -1,7 +1,7 @@
 """Attention variants. Importing this package registers every built-in variant."""
 
 from model.attention import dga, focal, focus, full, lazy, prescored_hyper  # noqa: F401,E402  (register the built-in variants)
-from model.attention.base import (  # noqa: F401
+from model.attention.common.base import (  # noqa: F401
     Attention,
     AttnOut,
     KVCache,

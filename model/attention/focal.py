@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import ConfigError, check_choice, check_min
-from model.attention.base import CPGather, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
+from model.attention.common.base import CPGather, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
 from model.attention.full import FullAttention
 
 MODES = ("constant", "learned")

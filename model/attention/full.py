@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from core.errors import ConfigError, check_choice
-from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, GpuPath, KVCache, VariantConfig, register_attention
-from model.attention.flex import flex_attention_fn, flex_supports
-from model.attention.sdpa import prefix_causal_attention, prefix_causal_supported, sdpa_varying
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, GpuPath, KVCache, VariantConfig, register_attention
+from model.attention.common.flex import flex_attention_fn, flex_supports
+from model.attention.common.sdpa import prefix_causal_attention, prefix_causal_supported, sdpa_varying
 from model.documents import document_mask
 
 BACKENDS = ("auto", "sdpa", "flash_attn")

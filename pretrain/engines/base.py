@@ -18,7 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from core.device import autocast_dtype
-from model.attention.context_parallel import ContextParallel, shard_batch
+from model.attention.common.context_parallel import ContextParallel, shard_batch
 from model.transformer import Transformer
 from pretrain.optim import build_optimizer, build_scheduler
 

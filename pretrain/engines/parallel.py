@@ -247,7 +247,7 @@ class FSDP2Engine(DataParallelEngine):
     fp32 gradient reduction on CUDA; fp32 on CPU. One device mesh (``parallel_dims``):
     ``train.fsdp2.replicate`` > 1 makes it HSDP (replicate x shard), ``train.parallel.tp`` > 1 splits
     heads and MLP columns first (``tensor_parallel``), ``train.parallel.cp`` > 1 splits every sequence over the
-    CP ranks (``model.attention.context_parallel``: K and V all-gathered per layer), and FSDP2 shards over the
+    CP ranks (``model.attention.common.context_parallel``: K and V all-gathered per layer), and FSDP2 shards over the
     data-parallel dimensions (CP's included)."""
 
     name = "fsdp2"

@@ -16,7 +16,7 @@ import torch._dynamo
 import torch._dynamo.testing
 
 from model.attention import LayerSpec, build_attention, registry
-from model.attention.flex import gpu_paths_forced
+from model.attention.common.flex import gpu_paths_forced
 
 pytestmark = pytest.mark.slow  # dynamo traces of every variant: about a minute on 2 cores
 

@@ -11,8 +11,8 @@ import torch
 
 from core.errors import ConfigError
 from model.attention import KVCache, LayerSpec, build_attention
-from model.attention import reference as ref
-from model.attention.base import kv_cache_nbytes
+from model.attention.common import reference as ref
+from model.attention.common.base import kv_cache_nbytes
 from model.attention.dga.config import DGAConfig, focal_count
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=128, layer_idx=0, n_layers=1)

@@ -14,7 +14,7 @@ import torch
 
 from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
-from model.attention import reference as ref
+from model.attention.common import reference as ref
 from model.attention.focus import FocusConfig, lambda_at
 from model.attention.focus.hard.decode_host import HostDecode
 from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from model.attention import KVCache, LayerSpec, build_attention
-from model.attention import flex as flex_mod
-from model.attention import reference as ref
+from model.attention.common import flex as flex_mod
+from model.attention.common import reference as ref
 from model.attention.focus import FocusConfig
 from model.attention.focus.hard import cpu as focus_hard
 from model.attention.focus.hard import decode as focus_hard_decode

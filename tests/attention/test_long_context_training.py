@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from bench.memory import PeakMemory
-from model.attention.flex import flex_supports
+from model.attention.common.flex import flex_supports
 from model.config import ModelConfig
 from model.transformer import Transformer
 

@@ -25,8 +25,8 @@ PLUGIN = textwrap.dedent(
     from torch import nn
 
     from core.errors import check_min
-    from model.attention import reference as ref
-    from model.attention.base import Attention, AttnOut, VariantConfig, register_attention
+    from model.attention.common import reference as ref
+    from model.attention.common.base import Attention, AttnOut, VariantConfig, register_attention
 
 
     @dataclass

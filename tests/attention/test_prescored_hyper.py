@@ -10,7 +10,7 @@ import torch
 
 from core.errors import ConfigError
 from model.attention import KVCache, LayerSpec, build_attention, prescored_hyper
-from model.attention import reference as ref
+from model.attention.common import reference as ref
 from model.attention.prescored_hyper import (
     ExactPiece,
     HyperPiece,

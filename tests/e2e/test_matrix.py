@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from model.attention import registry
-from model.attention.base import SuiteCase
+from model.attention.common.base import SuiteCase
 from model.config import AttentionConfig
 from model.transformer import build_model
 from pretrain.engines import ENGINES

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from model.attention import LayerSpec, build_attention, registry
-from model.attention.context_parallel import ContextParallel, context_parallel_attention, shard_batch
+from model.attention.common.context_parallel import ContextParallel, context_parallel_attention, shard_batch
 from model.config import ModelConfig
 from model.transformer import Transformer, apply_context_parallel
 

@@ -1,4 +1,4 @@
-"""Context parallelism (model/attention/context_parallel.py).
+"""Context parallelism (model/attention/common/context_parallel.py).
 
 Fast: the load-balanced layout (shard / restore, positions, equal causal work), the layout checks, and the
 per-chunk driver at cp=1 (two chunks on one rank, no collective) against the plain forward for every trainable
@@ -20,16 +20,16 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from model.attention import reference as ref
 from model.attention import registry
-from model.attention.context_parallel import (
+from model.attention.common import reference as ref
+from model.attention.common.context_parallel import (
     ContextParallel,
     check_context_parallel,
     restore_sequence,
     shard_batch,
     shard_sequence,
 )
-from model.attention.sdpa import prefix_causal_attention
+from model.attention.common.sdpa import prefix_causal_attention
 from model.config import ModelConfig
 from model.transformer import Transformer
 from tests.conftest import REPO

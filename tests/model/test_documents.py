@@ -63,7 +63,7 @@ def test_fast_path_matches_the_reference_in_values_and_gradients():
 
 
 def test_flex_document_attention_forward_matches_sdpa():
-    from model.attention.flex import flex_available
+    from model.attention.common.flex import flex_available
     from model.attention.full import flex_document_attention
 
     if not flex_available():

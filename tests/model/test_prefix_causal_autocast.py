@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from model.attention.sdpa import prefix_causal_attention
+from model.attention.common.sdpa import prefix_causal_attention
 
 
 def test_mixed_dtypes_under_autocast_match_sdpa():

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, VariantConfig, attention_registered, registry
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, VariantConfig, attention_registered, registry
 from model.config import AttentionConfig
 from model.transformer import build_model
 from tests.conftest import small_model_config

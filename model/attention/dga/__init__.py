@@ -49,13 +49,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from model.attention import reference as ref
-from model.attention.base import AttnOut, CPGather, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.common import reference as ref
+from model.attention.common.base import AttnOut, CPGather, KVCache, LayerSpec, SuiteCase, register_attention
+from model.attention.common.flex import flex_attention_fn, flex_supports
 from model.attention.dga.blockwise import KERNEL_DTYPES, CausalPlan, Plan, SequencePlan, parts_attention
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
-from model.attention.flex import flex_attention_fn, flex_supports
 
 
 @dataclass(frozen=True)

@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, CPRunner, KVCache, kv_cache_nbytes
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, CPRunner, KVCache, kv_cache_nbytes
 from model.attention.dga.config import DGAConfig, focal_count
 
 if TYPE_CHECKING:
     from model.attention.dga.compressed import Compressed
-from model.attention.sdpa import sdpa_varying
+from model.attention.common.sdpa import sdpa_varying
 
 
 class GroupedKVCache(Attention):

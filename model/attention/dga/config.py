@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 
 from core.errors import ConfigError, check_choice, check_min, check_range
-from model.attention.base import VariantConfig
+from model.attention.common.base import VariantConfig
 
 SELECTIONS = ("causal", "sequence")
 

@@ -35,8 +35,8 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 from core.errors import ConfigError, check_choice, check_min, check_range
-from model.attention import reference as ref
-from model.attention.base import (
+from model.attention.common import reference as ref
+from model.attention.common.base import (
     Attention,
     AttnOut,
     CPGather,
@@ -46,7 +46,7 @@ from model.attention.base import (
     VariantConfig,
     register_attention,
 )
-from model.attention.flex import causal_block_mask, flex_attention_fn, flex_supports
+from model.attention.common.flex import causal_block_mask, flex_attention_fn, flex_supports
 from model.attention.focus.hard import decode_host as host_decode
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention

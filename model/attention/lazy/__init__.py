@@ -38,9 +38,9 @@ import torch
 from torch import Tensor, nn
 
 from core.errors import check_choice, check_min
-from model.attention import reference as ref
-from model.attention.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
-from model.attention.flex import flex_supports
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
+from model.attention.common.flex import flex_supports
 from model.attention.lazy.blockwise import MIN_ROWS, elastic_blockwise, kernel_dtypes
 
 if TYPE_CHECKING:

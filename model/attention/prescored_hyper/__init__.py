@@ -46,8 +46,8 @@ import torch
 from torch import Tensor
 
 from core.errors import check_choice, check_min, check_range
-from model.attention import reference as ref
-from model.attention.base import (
+from model.attention.common import reference as ref
+from model.attention.common.base import (
     Attention,
     AttnOut,
     GpuPath,

@@ -17,8 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from model.attention.common.sdpa import sdpa_varying
 from model.attention.focus.hard.rows import additive, take_rows
-from model.attention.sdpa import sdpa_varying
 
 _FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # CPU decoding reads the whole cache under a mask once the token's groups and window hold this share of the keys

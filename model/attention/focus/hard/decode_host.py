@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from model.attention.base import KVCache
+from model.attention.common.base import KVCache
 from model.attention.focus.sinkhorn import sinkhorn_token_host
 
 KEY = "focus_host"  # cache.extra: the HostDecode of a cache in host mode

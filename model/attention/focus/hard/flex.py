@@ -9,7 +9,7 @@ import copy
 import torch
 from torch import Tensor
 
-from model.attention.flex import cached_block_mask, flex_attention_fn
+from model.attention.common.flex import cached_block_mask, flex_attention_fn
 from model.attention.focus.hard.rows import NEG_INF
 
 # ---- GPU: two FlexAttention calls -----------------------------------------------------------------------------------

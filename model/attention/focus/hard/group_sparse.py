@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from model.attention import reference as ref
+from model.attention.common import reference as ref
 
 
 def membership_bits(assign: Tensor, top_k: int) -> Tensor:

@@ -33,7 +33,7 @@ from torch import Tensor
 from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from core.errors import ConfigError
-from model.attention.base import Attention, AttnOut, registry
+from model.attention.common.base import Attention, AttnOut, registry
 
 
 @dataclass(frozen=True)

@@ -215,7 +215,7 @@ class Attention(nn.Module):
             return self.fast(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
         return self.reference(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
 
-    # ---- context parallelism (model/attention/context_parallel.py) ---------------------
+    # ---- context parallelism (model/attention/common/context_parallel.py) ---------------------
     # Under CP a rank holds two chunks of the sequence; each chunk's queries (contiguous global positions
     # q_pos) attend the gathered keys [0, q_pos[-1] + 1). The defaults suit a variant whose ``reference`` /
     # ``fast`` already take queries at the end of a longer key sequence with no cache (full, lazy); a
@@ -293,8 +293,8 @@ CPGather = Callable[[Tensor, int], Tensor]
 
 
 class CPRunner(Protocol):
-    """What ``Attention.forward`` calls under context parallelism: ``model.attention.context_parallel.ContextParallel``
-    (named structurally: that module imports this one)."""
+    """What ``Attention.forward`` calls under context parallelism:
+    ``model.attention.common.context_parallel.ContextParallel`` (named structurally: that module imports this one)."""
 
     def attend(
         self,
