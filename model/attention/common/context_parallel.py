@@ -30,9 +30,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed._functional_collectives import all_gather_single_autograd
 
 from core.errors import ConfigError
+from core.torch_compat import all_gather_single_autograd
 from model.attention.common.base import Attention, AttnOut, registry
 
 
