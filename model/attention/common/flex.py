@@ -58,13 +58,16 @@ def _flex_call(*args: Any, **kwargs: Any) -> Any:
 def flex_attention_fn(compiled: bool, site: str) -> Callable[..., Any]:
     """FlexAttention, compiled on CUDA (the fused kernel); eager elsewhere (a dense fallback used by tests).
 
-    One compiled function per call ``site``, with dynamic shapes: dynamo's recompile budget (8) is per code object,
-    and a single shared wrapper compiled per length ran out across call sites, grad modes and lengths, after which
-    dynamo runs FlexAttention eagerly (dense T x T scores: 64 GiB at T = 65,536). So each site gets its own copy of
-    the caller's code object."""
+    Called eagerly on CUDA: one compiled function per call ``site``, with dynamic shapes: dynamo's recompile budget
+    (8) is per code object, and a single shared wrapper compiled per length ran out across call sites, grad modes and
+    lengths, after which dynamo runs FlexAttention eagerly (dense T x T scores: 64 GiB at T = 65,536). So each site
+    gets its own copy of the caller's code object. Called while torch.compile traces (a compiled transformer block):
+    plain ``flex_attention``, which the enclosing graph compiles into its fused kernel; building the per-site function
+    there is a graph break (dynamo cannot trace ``FunctionType``), which split every compiled block on the GPU
+    (tests/attention/test_compiled_block.py holds the traced case)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    if not compiled:
+    if not compiled or torch.compiler.is_compiling():
         return flex_attention
     fn = _COMPILED.get(site)
     if fn is None:
