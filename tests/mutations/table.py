@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 FULL = ("tests/attention/full/test_paper.py", "tests/attention/test_focal.py")
 FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
-LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
+LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/lazy/test_module.py")
 FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
 HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
@@ -333,14 +333,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- the CPU training paths (blockwise, exact): their own copies of the formulas ------------------------
     Mutation(
         "lazy-blockwise-bias-added",
-        "model/attention/lazy/blockwise.py",
+        "model/attention/lazy/cpu.py",
         (("u = -table.to(dtype)[:, dist.clamp(0, self.last)]", "u = table.to(dtype)[:, dist.clamp(0, self.last)]"),),
         "lazy CPU path: distance bias added instead of subtracted (section 4)",
         LAZY,
     ),
     Mutation(
         "lazy-blockwise-threshold-over-position",
-        "model/attention/lazy/blockwise.py",
+        "model/attention/lazy/cpu.py",
         (("c = tau.to(dtype)[:, None] / (pos + 1)[None, :]", "c = tau.to(dtype)[:, None] / (pos + 2)[None, :]"),),
         "lazy CPU path: Elastic-Softmax threshold tau / (n + 1) instead of tau / n",
         LAZY,

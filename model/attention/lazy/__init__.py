@@ -21,7 +21,7 @@ query (decode) needs none. It runs where FlexAttention is compiled (CUDA), compi
 dynamic lengths (``compiled_two_pass``); tests run this composition on CPU through eager FlexAttention
 for values and gradients.
 
-CPU fast path (``blockwise``): the same two passes over block diagonals of the score matrix with a
+CPU fast path (``cpu``): the same two passes over block diagonals of the score matrix with a
 recomputing backward (a ``torch.autograd.Function``), exact, memory linear in T; from ``MIN_ROWS``
 queries (training, prefill, chunked prefill); decode and shorter chunks take the reference, which is
 O(Tq * Tk) there. Sink ratio and density come from its weights (a row sum per block, on logging steps).
@@ -41,7 +41,7 @@ from core.errors import check_choice, check_min
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, KVCache, LayerSpec, VariantConfig, register_attention
 from model.attention.common.flex import flex_supports
-from model.attention.lazy.blockwise import MIN_ROWS, elastic_blockwise, kernel_dtypes
+from model.attention.lazy.cpu import MIN_ROWS, elastic_blockwise, kernel_dtypes
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
@@ -156,7 +156,7 @@ class LazyAttention(Attention):
         k_pos: Tensor,
         cache: KVCache | None,
     ) -> AttnOut:
-        """Exact two-pass Elastic-Softmax over block diagonals, memory linear in T (``blockwise``)."""
+        """Exact two-pass Elastic-Softmax over block diagonals, memory linear in T (``cpu.py``)."""
         stats: dict[str, Tensor] | None = {} if self.collect_stats else None
         out = elastic_blockwise(q, k, v, self.distance_bias, self.tau, 1.0 / math.sqrt(self.spec.head_dim), stats=stats)
         if stats is not None:

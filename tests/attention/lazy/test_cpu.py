@@ -1,4 +1,4 @@
-"""Lazy attention's blockwise CPU path (model/attention/lazy/blockwise.py) against the dense reference: values and
+"""Lazy attention's blockwise CPU path (model/attention/lazy/cpu.py) against the dense reference: values and
 gradients (q, k, v, distance-bias table, tau), float64 within 1e-10 and float32 within 1e-5, on inputs from a fixed
 seed list; causal, chunked prefill, GQA, batch 2, T not a multiple of the block; and no T x T tensor anywhere."""
 
@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import LayerSpec, build_attention
 from model.attention.lazy import LazyAttention, LazyConfig
-from model.attention.lazy import blockwise as bw
+from model.attention.lazy import cpu
 
 SEEDS = (0, 1, 2)
 TAUS = {
@@ -54,7 +54,7 @@ def both_paths(module: LazyAttention, q, k, v, q_from: int, block: int):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         module.zero_grad()
         if path == "blockwise":
-            out = bw.elastic_blockwise(
+            out = cpu.elastic_blockwise(
                 *leaves, module.distance_bias, module.tau, 1.0 / math.sqrt(q.shape[-1]), block=block
             )
         else:
@@ -130,8 +130,8 @@ def test_cpu_picks_the_blockwise_path_and_impl_reference_forces_the_dense_one(mo
     q, k, v = qkv(20, 0, torch.float64)
     assert module.has_fast_path(q, None) and not module.has_fast_path(q[:, :, :1], None)  # decode: reference
     calls = []
-    original = bw.ElasticBlockwise.apply
-    monkeypatch.setattr(bw.ElasticBlockwise, "apply", lambda *a: calls.append(1) or original(*a))
+    original = cpu.ElasticBlockwise.apply
+    monkeypatch.setattr(cpu.ElasticBlockwise, "apply", lambda *a: calls.append(1) or original(*a))
     module(q, k, v, hidden=None, positions=torch.arange(20))
     assert calls == [1]
     module.impl = "reference"
@@ -178,6 +178,6 @@ def test_no_tensor_grows_with_t_squared(monkeypatch):
     module = lazy_module(TAUS["mixed"], seed=0, max_distance=0, dtype=torch.float32)
     q, k, v = (x.requires_grad_() for x in qkv(t, 0, torch.float32, batch=batch))
     with LargestTensor() as seen:
-        out = bw.elastic_blockwise(q, k, v, module.distance_bias, module.tau, 0.125, block=32)
+        out = cpu.elastic_blockwise(q, k, v, module.distance_bias, module.tau, 0.125, block=32)
         out.sum().backward()
     assert seen.largest <= batch * heads * t * 8 < batch * heads * t * t // 16, seen.largest
