@@ -12,8 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import LayerSpec, build_attention
-from model.attention.lazy import LazyAttention, LazyConfig
-from model.attention.lazy import cpu
+from model.attention.lazy import LazyAttention, LazyConfig, cpu
 
 SEEDS = (0, 1, 2)
 TAUS = {
@@ -173,7 +172,7 @@ class LargestTensor(TorchDispatchMode):
 def test_no_tensor_grows_with_t_squared(monkeypatch):
     """Forward and backward at T = 256 with 32-row blocks and small chunks: every tensor stays within
     O(T * (D + block)) elements per (batch, head), far below one T x T score matrix."""
-    monkeypatch.setattr(bw, "CHUNK_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 1 << 13)
     t, batch, heads = 256, 1, 4
     module = lazy_module(TAUS["mixed"], seed=0, max_distance=0, dtype=torch.float32)
     q, k, v = (x.requires_grad_() for x in qkv(t, 0, torch.float32, batch=batch))
