@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import LayerSpec, build_attention
-from model.attention.lazy import LazyAttention, LazyConfig, cpu
+from model.attention.lazy import LazyAttention, LazyConfig, cpu, naive
 
 SEEDS = (0, 1, 2)
 TAUS = {
@@ -43,7 +43,7 @@ def qkv(t: int, seed: int, dtype, batch: int = 2, q_scale: float = 4.0):
 
 
 def both_paths(module: LazyAttention, q, k, v, q_from: int, block: int):
-    """Outputs and gradients (q, k, v, bias table, tau) of the blockwise path and the reference."""
+    """Outputs and gradients (q, k, v, bias table, tau) of the blockwise path and the reference (``naive.py``)."""
     tk = k.shape[2]
     q = q[:, :, q_from:]
     q_pos, k_pos = torch.arange(q_from, tk), torch.arange(tk)
@@ -56,8 +56,10 @@ def both_paths(module: LazyAttention, q, k, v, q_from: int, block: int):
             out = cpu.elastic_blockwise(
                 *leaves, module.distance_bias, module.tau, 1.0 / math.sqrt(q.shape[-1]), block=block
             )
-        else:
-            out = module.reference(*leaves, hidden=None, q_pos=q_pos, k_pos=k_pos, cache=None).output
+        else:  # the dense reference as plain functions (what the module's reference path calls)
+            out = naive.attention(
+                *leaves, q_pos, k_pos, module.distance_bias, module.tau, 1.0 / math.sqrt(q.shape[-1]), module.table - 1
+            )
         (out * w).sum().backward()
         grads = [x.grad for x in leaves] + [module.distance_bias.grad.clone(), module.tau.grad.clone()]
         results.append((out.detach(), grads))
