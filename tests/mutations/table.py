@@ -16,7 +16,11 @@ from dataclasses import dataclass
 
 FULL = ("tests/attention/full/test_paper.py", "tests/attention/test_focal.py")
 FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
-LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
+LAZY = (
+    "tests/attention/lazy/test_paper.py",
+    "tests/attention/lazy/test_module.py",
+    "tests/attention/lazy/test_flex.py",
+)
 FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
 HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
@@ -70,12 +74,9 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "lazy-bias-added",
-        "model/attention/lazy/__init__.py",
-        (
-            ("- self.bias(q_pos, k_pos)", "+ self.bias(q_pos, k_pos)"),
-            ("return score - bias[h,", "return score + bias[h,"),
-        ),
-        "lazy: distance bias added instead of subtracted (eq. 3), reference and FlexAttention paths",
+        "model/attention/lazy/naive.py",
+        (("- bias(q_pos, k_pos, distance_bias, last)", "+ bias(q_pos, k_pos, distance_bias, last)"),),
+        "lazy reference: distance bias added instead of subtracted (eq. 3)",
         LAZY,
         "tests/attention/lazy/test_paper.py::test_default_config_is_elastic_softmax_with_tau_over_n_eq5[reference]",
     ),
@@ -102,31 +103,38 @@ MUTATIONS: tuple[Mutation, ...] = (
         FOCAL,
     ),
     # ---- lazy ---------------------------------------------------------------------------------------------------
+    Mutation(  # the FlexAttention path's own copy of eq. 3 (lazy-bias-added flipped both when they shared a file)
+        "lazy-flex-bias-added",
+        "model/attention/lazy/flex.py",
+        (("return score - bias[h,", "return score + bias[h,"),),
+        "lazy FlexAttention path: distance bias added instead of subtracted (eq. 3)",
+        LAZY,
+    ),
     Mutation(
         "lazy-threshold-n-offset",
-        "model/attention/lazy/__init__.py",
+        "model/attention/lazy/naive.py",
         (("n = (q_pos + 1).to(p.dtype)", "n = (q_pos + 2).to(p.dtype)"),),
         "lazy reference: Elastic-Softmax threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
         LAZY,
     ),
     Mutation(
         "lazy-flex-threshold-n-offset",
-        "model/attention/lazy/__init__.py",
+        "model/attention/lazy/flex.py",
         (("/ (q_pos[qi] + 1).to(score.dtype)", "/ (q_pos[qi] + 2).to(score.dtype)"),),
         "lazy FlexAttention path: threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
         LAZY,
     ),
     Mutation(
         "lazy-alibi-slope",
-        "model/attention/lazy/__init__.py",
+        "model/attention/lazy/config.py",
         (("2.0 ** (-8.0 * (h + 1) / n_heads)", "2.0 ** (-8.0 * h / n_heads)"),),
         "lazy alibi init: ALiBi slopes start at 2^0 instead of 2^(-8/H)",
         LAZY,
     ),
     Mutation(
         "lazy-table-clamp",
-        "model/attention/lazy/__init__.py",
-        ((".clamp(0, self.table - 1)", ".clamp(0, self.table - 2)"),),
+        "model/attention/lazy/naive.py",
+        ((".clamp(0, last)\n", ".clamp(0, last - 1)\n"),),
         "lazy reference: distances past the table read its second-to-last entry",
         LAZY,
     ),
@@ -333,14 +341,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- the CPU training paths (blockwise, exact): their own copies of the formulas ------------------------
     Mutation(
         "lazy-blockwise-bias-added",
-        "model/attention/lazy/blockwise.py",
+        "model/attention/lazy/cpu.py",
         (("u = -table.to(dtype)[:, dist.clamp(0, self.last)]", "u = table.to(dtype)[:, dist.clamp(0, self.last)]"),),
         "lazy CPU path: distance bias added instead of subtracted (section 4)",
         LAZY,
     ),
     Mutation(
         "lazy-blockwise-threshold-over-position",
-        "model/attention/lazy/blockwise.py",
+        "model/attention/lazy/cpu.py",
         (("c = tau.to(dtype)[:, None] / (pos + 1)[None, :]", "c = tau.to(dtype)[:, None] / (pos + 2)[None, :]"),),
         "lazy CPU path: Elastic-Softmax threshold tau / (n + 1) instead of tau / n",
         LAZY,

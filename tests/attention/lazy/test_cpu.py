@@ -1,4 +1,4 @@
-"""Lazy attention's blockwise CPU path (model/attention/lazy/blockwise.py) against the dense reference: values and
+"""Lazy attention's blockwise CPU path (model/attention/lazy/cpu.py) against the dense reference: values and
 gradients (q, k, v, distance-bias table, tau), float64 within 1e-10 and float32 within 1e-5, on inputs from a fixed
 seed list; causal, chunked prefill, GQA, batch 2, T not a multiple of the block; and no T x T tensor anywhere."""
 
@@ -12,8 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from model.attention import LayerSpec, build_attention
-from model.attention.lazy import LazyAttention, LazyConfig
-from model.attention.lazy import blockwise as bw
+from model.attention.lazy import LazyAttention, LazyConfig, cpu, naive
 
 SEEDS = (0, 1, 2)
 TAUS = {
@@ -44,7 +43,7 @@ def qkv(t: int, seed: int, dtype, batch: int = 2, q_scale: float = 4.0):
 
 
 def both_paths(module: LazyAttention, q, k, v, q_from: int, block: int):
-    """Outputs and gradients (q, k, v, bias table, tau) of the blockwise path and the reference."""
+    """Outputs and gradients (q, k, v, bias table, tau) of the blockwise path and the reference (``naive.py``)."""
     tk = k.shape[2]
     q = q[:, :, q_from:]
     q_pos, k_pos = torch.arange(q_from, tk), torch.arange(tk)
@@ -54,11 +53,13 @@ def both_paths(module: LazyAttention, q, k, v, q_from: int, block: int):
         leaves = [x.detach().clone().requires_grad_() for x in (q, k, v)]
         module.zero_grad()
         if path == "blockwise":
-            out = bw.elastic_blockwise(
+            out = cpu.elastic_blockwise(
                 *leaves, module.distance_bias, module.tau, 1.0 / math.sqrt(q.shape[-1]), block=block
             )
-        else:
-            out = module.reference(*leaves, hidden=None, q_pos=q_pos, k_pos=k_pos, cache=None).output
+        else:  # the dense reference as plain functions (what the module's reference path calls)
+            out = naive.attention(
+                *leaves, q_pos, k_pos, module.distance_bias, module.tau, 1.0 / math.sqrt(q.shape[-1]), module.table - 1
+            )
         (out * w).sum().backward()
         grads = [x.grad for x in leaves] + [module.distance_bias.grad.clone(), module.tau.grad.clone()]
         results.append((out.detach(), grads))
@@ -130,8 +131,8 @@ def test_cpu_picks_the_blockwise_path_and_impl_reference_forces_the_dense_one(mo
     q, k, v = qkv(20, 0, torch.float64)
     assert module.has_fast_path(q, None) and not module.has_fast_path(q[:, :, :1], None)  # decode: reference
     calls = []
-    original = bw.ElasticBlockwise.apply
-    monkeypatch.setattr(bw.ElasticBlockwise, "apply", lambda *a: calls.append(1) or original(*a))
+    original = cpu.ElasticBlockwise.apply
+    monkeypatch.setattr(cpu.ElasticBlockwise, "apply", lambda *a: calls.append(1) or original(*a))
     module(q, k, v, hidden=None, positions=torch.arange(20))
     assert calls == [1]
     module.impl = "reference"
@@ -173,11 +174,11 @@ class LargestTensor(TorchDispatchMode):
 def test_no_tensor_grows_with_t_squared(monkeypatch):
     """Forward and backward at T = 256 with 32-row blocks and small chunks: every tensor stays within
     O(T * (D + block)) elements per (batch, head), far below one T x T score matrix."""
-    monkeypatch.setattr(bw, "CHUNK_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(cpu, "CHUNK_ELEMENTS", 1 << 13)
     t, batch, heads = 256, 1, 4
     module = lazy_module(TAUS["mixed"], seed=0, max_distance=0, dtype=torch.float32)
     q, k, v = (x.requires_grad_() for x in qkv(t, 0, torch.float32, batch=batch))
     with LargestTensor() as seen:
-        out = bw.elastic_blockwise(q, k, v, module.distance_bias, module.tau, 0.125, block=32)
+        out = cpu.elastic_blockwise(q, k, v, module.distance_bias, module.tau, 0.125, block=32)
         out.sum().backward()
     assert seen.largest <= batch * heads * t * 8 < batch * heads * t * t // 16, seen.largest
