@@ -13,6 +13,7 @@ from core.errors import ConfigError
 from model.attention import KVCache, LayerSpec, build_attention
 from model.attention.common import reference as ref
 from model.attention.common.base import kv_cache_nbytes
+from model.attention.dga import cpu, flex, naive
 from model.attention.dga.config import DGAConfig, focal_count
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=128, layer_idx=0, n_layers=1)
@@ -72,6 +73,12 @@ def test_focal_count_rounds_the_remainder_into_focal_tokens():
     assert focal_count(5, 1.0, 0, 3) == 5
 
 
+def masks(module, comp, pos):
+    """Appendix D's dense masks (raw keys, aggregates) of ``comp`` for queries and keys at ``pos``."""
+    cfg = module.cfg
+    return naive.masks(comp.focal_pos, comp.members, pos, pos, selection=cfg.selection, chunk_size=cfg.chunk_size)
+
+
 def _sequence_algorithm2(t, focal, groups):
     """Appendix D, Algorithm 2, literally (with the causal meaning of M^n: a group's aggregate is
     visible once all of its members are at or before the query). Returns M0_foc, M^n, and the
@@ -100,7 +107,7 @@ def test_sequence_mask_equals_algorithm_2(t, m, gamma):
     kx, vx = ref.expand_kv(k, 4), ref.expand_kv(v, 4)
     comp = module._compress_sequence(q, kx, vx)[0]
     pos = torch.arange(t)
-    raw, agg = module.dense_masks(comp, pos, pos)
+    raw, agg = masks(module, comp, pos)
     for b in range(2):
         for h in range(4):
             focal = comp.focal_pos[b, h, 0].tolist()
@@ -127,7 +134,7 @@ def test_every_past_token_is_represented_exactly_once(selection, c, m, gamma, t)
     kx, vx = ref.expand_kv(k, 4), ref.expand_kv(v, 4)
     comp = module._compress_uncached(q, kx, vx, t - 1)[0]
     pos = torch.arange(t)
-    raw, agg = module.dense_masks(comp, pos, pos)
+    raw, agg = masks(module, comp, pos)
     for b in range(2):
         for h in range(4):
             groups = comp.members[b, h].reshape(-1, m).tolist()
@@ -194,18 +201,16 @@ PARTS_CASES = [
 @pytest.mark.parametrize("options", PARTS_CASES, ids=lambda o: f"{o['selection']}-m{o['group_size']}-g{o['gamma']}")
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_parts_form_equals_the_dense_reference(options, t, impl, dtype, monkeypatch):
-    """The memory-linear parts form (blockwise.py; impl "auto" on the CPU) and the gathered form against the dense
+    """The memory-linear parts form (cpu.py; impl "auto" on the CPU) and the gathered form against the dense
     float64 reference: values and gradients for q, k, v, batch 2, GQA, T a multiple of no block (37) or of the chunk
     (40). float64 within 1e-10; float32 within 1e-5 of each tensor's largest magnitude (the float32 reference itself
     is off by about 5e-6 of it). Small groups of chunks and sequence blocks exercise the staircase masks and several
     blocks."""
-    from model.attention.dga import blockwise
-
-    monkeypatch.setattr(blockwise, "COMPRESSED_ROWS", 16)
-    monkeypatch.setattr(blockwise, "SEQUENCE_BLOCK", 8)
+    monkeypatch.setattr(cpu, "COMPRESSED_ROWS", 16)
+    monkeypatch.setattr(cpu, "SEQUENCE_BLOCK", 8)
     calls = []
-    forward = blockwise._FWD
-    monkeypatch.setattr(blockwise, "_FWD", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
+    forward = cpu._FWD
+    monkeypatch.setattr(cpu, "_FWD", lambda *a, **kw: calls.append(1) or forward(*a, **kw))
     weight = torch.randn(2, 4, t, 8, generator=torch.Generator().manual_seed(t), dtype=torch.float64)
     results = []
     for path, dt in (("reference", torch.float64), (impl, dtype)):
@@ -388,19 +393,31 @@ def test_flex_mask_mod_equals_the_reference_forward(selection):
     comp, (ck, cv, avail) = module._compress_uncached(q, kx, vx, 36)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        flex = module._flex(q, kx, vx, comp, ck, cv, avail, pos)
-    torch.testing.assert_close(flex, run(module, q, k, v, hidden, "reference").output, atol=1e-12, rtol=1e-10)
+        out = flex.attention(
+            q,
+            kx,
+            vx,
+            comp.focal_pos,
+            comp.members,
+            ck,
+            cv,
+            avail,
+            pos,
+            selection=selection,
+            chunk_size=8,
+            entries_per_chunk=module._entries_per_chunk(),
+            scale=module.scale,
+        )
+    torch.testing.assert_close(out, run(module, q, k, v, hidden, "reference").output, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize("t,c,e,n", [(37, 8, 5, 15), (64, 8, 3, 18), (50, 7, 4, 0), (29, 16, 6, 6)])
 def test_causal_flex_block_lists_cover_every_visible_pair(t, c, e, n):
     """The CUDA causal form's block mask comes from block arithmetic: every visible pair lies in a listed block,
     and a block marked full holds no invisible pair (checked against the pairwise rule, block size 4)."""
-    from model.attention.dga import causal_flex_blocks
-
     block = 4
     n_pad = -(-n // block) * block
-    listed, full = causal_flex_blocks(t, n, n_pad, c, e, torch.device("cpu"), block=block)
+    listed, full = flex.causal_flex_blocks(t, n, n_pad, c, e, torch.device("cpu"), block=block)
     p = torch.arange(t)[:, None]
     kv = torch.arange(n_pad + t)[None, :]
     r = kv - n_pad
@@ -426,7 +443,17 @@ def test_causal_flex_form_traces_without_a_graph_break():
     _, (ck, cv, _) = module._compress_uncached(q, kx, vx, 36)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        explained = torch._dynamo.explain(module._flex_causal)(q, kx, vx, ck, cv, torch.arange(37))
+        explained = torch._dynamo.explain(flex.causal_attention)(
+            q,
+            kx,
+            vx,
+            ck,
+            cv,
+            torch.arange(37),
+            chunk_size=8,
+            entries_per_chunk=module._entries_per_chunk(),
+            scale=module.scale,
+        )
     assert explained.graph_break_count == 0, explained.break_reasons
     assert explained.graph_count == 1
 
@@ -451,19 +478,17 @@ def test_bad_options_are_one_line_config_errors(options, key):
 
 @pytest.mark.parametrize("q0", [8, 16, 32])
 def test_causal_parts_at_an_offset_are_the_whole_sequences_rows(q0):
-    """``CausalPlan(q0=...)`` (context parallelism: a chunk's queries against the keys before and in it) gives the
+    """``cpu.CausalPlan(q0=...)`` (context parallelism: a chunk's queries against the keys before and in it) gives the
     whole-sequence plan's rows from q0 on, values and gradients of q, k, v and the entries, float64."""
-    from model.attention.dga.blockwise import CausalPlan, parts_attention
-
     t, c, e = 48, 8, 3
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(1, 2, t, 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in range(3))
     ck, cv = (torch.randn(1, 2, e * (t // c), 4, generator=gen, dtype=torch.float64, requires_grad=True) for _ in "kv")
     w = torch.randn(1, 2, t, 4, generator=gen, dtype=torch.float64)
     w[:, :, :q0] = 0  # only the rows the offset call computes
-    whole = parts_attention(q, k, v, ck, cv, CausalPlan(t, c, e, torch.float64), 0.5)
+    whole = cpu.parts_attention(q, k, v, ck, cv, cpu.CausalPlan(t, c, e, torch.float64), 0.5)
     expect = torch.autograd.grad((whole * w).sum(), (q, k, v, ck, cv))
-    part = parts_attention(q[:, :, q0:], k, v, ck, cv, CausalPlan(t - q0, c, e, torch.float64, q0=q0), 0.5)
+    part = cpu.parts_attention(q[:, :, q0:], k, v, ck, cv, cpu.CausalPlan(t - q0, c, e, torch.float64, q0=q0), 0.5)
     grads = torch.autograd.grad((part * w[:, :, q0:]).sum(), (q, k, v, ck, cv))
     torch.testing.assert_close(part, whole[:, :, q0:], rtol=1e-12, atol=1e-12)
     for g, x in zip(grads, expect, strict=True):

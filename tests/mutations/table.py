@@ -54,7 +54,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dga-importance-sum",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("(a.sum(-2) / mask.sum(-2).clamp(min=1))", "(a.sum(-2))"),),
         "dga importance (eq. 16): the sum over sampled queries instead of the mean",
         DGA,
@@ -217,7 +217,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- dga ----------------------------------------------------------------------------------------------------
     Mutation(
         "dga-first-member-query",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (
             (
                 "q_last = ref.take_rows(q, members[..., -1] - q_base)",
@@ -229,14 +229,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dga-least-important-focal",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("importance.topk(r, dim=-1).indices", "importance.topk(r, dim=-1, largest=False).indices"),),
         "dga: the least important keys kept focal",
         DGA,
     ),
     Mutation(
         "dga-compressed-visible-early",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("avail = ((starts + 2 * c).to(k.device))", "avail = ((starts + c).to(k.device))"),),
         "dga causal gathered path: chunk c's compression used from chunk c + 1 (while still raw) instead of c + 2",
         DGA,
