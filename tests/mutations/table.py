@@ -22,7 +22,13 @@ LAZY = (
     "tests/attention/lazy/test_flex.py",
 )
 FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
-DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
+DGA = (
+    "tests/attention/dga/test_paper.py",
+    "tests/attention/dga/test_module.py",
+    "tests/attention/dga/test_cpu.py",
+    "tests/attention/dga/test_flex.py",
+    "tests/attention/dga/test_cache.py",
+)
 HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
 ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
 
@@ -58,7 +64,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dga-importance-sum",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("(a.sum(-2) / mask.sum(-2).clamp(min=1))", "(a.sum(-2))"),),
         "dga importance (eq. 16): the sum over sampled queries instead of the mean",
         DGA,
@@ -225,7 +231,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- dga ----------------------------------------------------------------------------------------------------
     Mutation(
         "dga-first-member-query",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (
             (
                 "q_last = ref.take_rows(q, members[..., -1] - q_base)",
@@ -237,14 +243,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dga-least-important-focal",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("importance.topk(r, dim=-1).indices", "importance.topk(r, dim=-1, largest=False).indices"),),
         "dga: the least important keys kept focal",
         DGA,
     ),
     Mutation(
         "dga-compressed-visible-early",
-        "model/attention/dga/__init__.py",
+        "model/attention/dga/module.py",
         (("avail = ((starts + 2 * c).to(k.device))", "avail = ((starts + c).to(k.device))"),),
         "dga causal gathered path: chunk c's compression used from chunk c + 1 (while still raw) instead of c + 2",
         DGA,
