@@ -88,5 +88,16 @@ def test_tests_mirror_the_source(name):
     assert sorted(folder.glob("test_*.py")), f"tests/attention/{name}/ holds no tests"
     flat = sorted(p.name for p in ATTENTION_TESTS.glob(f"test_{name}*.py"))
     assert not flat, f"tests of {name} outside tests/attention/{name}/: {flat}"
-    uses_naive = any(f"{name}.naive" in p.read_text() or "import naive" in p.read_text() for p in folder.glob("*.py"))
+    package = f"model.attention.{name}"
+
+    def imports_naive(path: Path) -> bool:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == f"{package}.naive":
+                return True
+            if isinstance(node, ast.ImportFrom) and node.module == package:
+                if "naive" in {alias.name for alias in node.names}:
+                    return True
+        return False
+
+    uses_naive = any(imports_naive(path) for path in folder.glob("*.py"))
     assert uses_naive, f"no test in tests/attention/{name}/ imports its naive reference"
