@@ -158,10 +158,11 @@ class DynamicGroupAttention(GroupedKVCache):
         del s
         return (a.sum(-2) / mask.sum(-2).clamp(min=1))[..., :n]
 
-    def _causal_units(self, first: int, last: int) -> tuple[Tensor, Tensor]:
-        """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C)."""
+    def _causal_units(self, first: int, last: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """Chunks first..last-1 and their sampled query offsets (relative to each chunk start, over 2C), built on
+        ``device``: on the host they were copied to the GPU in every forward (and again in its recomputation)."""
         c = self.cfg.chunk_size
-        units = torch.arange(first, last)
+        units = torch.arange(first, last, device=device)
         seeds = self.cfg.seed * 1_000_003 + units
         return units * c, sample_offsets(2 * c, self.cfg.sample_recent, self.cfg.sample_random, seeds)
 
@@ -170,16 +171,16 @@ class DynamicGroupAttention(GroupedKVCache):
     ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         """Compressed entries (k, v, avail) of chunks first..last-1: visible from position (c+2) C."""
         c = self.cfg.chunk_size
-        starts, offsets = self._causal_units(first, last)
+        starts, offsets = self._causal_units(first, last, k.device)
         comp = self.compress(q, k, v, starts, c, 2 * c, offsets, q_base=q_base, k_base=k_base)
-        avail = ((starts + 2 * c).to(k.device))[:, None]  # [U, 1]
+        avail = (starts + 2 * c)[:, None]  # [U, 1]
         return comp, comp.entries(avail, avail)
 
     def _compress_sequence(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         t = k.shape[2]
-        seeds = torch.full((1,), self.cfg.seed * 1_000_003) + t
+        seeds = torch.full((1,), self.cfg.seed * 1_000_003, device=k.device) + t
         offsets = sample_offsets(t, self.cfg.sample_recent, self.cfg.sample_random, seeds)
-        comp = self.compress(q, k, v, torch.zeros(1, dtype=torch.long), t, t, offsets)
+        comp = self.compress(q, k, v, torch.zeros(1, dtype=torch.long, device=k.device), t, t, offsets)
         # focal keys are visible from their own position, an aggregate once its last member is
         return comp, comp.entries(comp.focal_pos, comp.members[..., -1])
 
@@ -276,9 +277,9 @@ class DynamicGroupAttention(GroupedKVCache):
                 )
                 q_ext = torch.cat([q[:, :, rows], nxt[..., :d]], 2)
                 k_ext = torch.cat([k[:, :, rows], nxt[..., d:]], 2)
-                units, offsets = self._causal_units(first, last)
+                units, offsets = self._causal_units(first, last, q.device)
                 comp = self.compress(q_ext, k_ext, v[:, :, rows], units, c, 2 * c, offsets, q_base=start, k_base=start)
-                avail = ((units + 2 * c).to(q.device))[:, None]
+                avail = (units + 2 * c)[:, None]
                 ck, cv, _ = comp.entries(avail, avail)
                 local.append(torch.cat([ck, cv], -1))
             pad = s // c - max(0, last - first)  # chunks no query sees (the last two of the sequence)
