@@ -71,7 +71,7 @@ def test_bundle_is_self_contained_and_the_config_names_custom_code(tmp_path, sp_
     from model.hf.custom_code import FIRST_PARTY, bundle_sources
 
     files = bundle_sources()
-    assert "fp_model_transformer.py" in files and "fp_model_attention_reference.py" in files
+    assert "fp_model_transformer.py" in files and "fp_model_attention_common_reference.py" in files
     for name, text in files.items():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ImportFrom) and not node.level:

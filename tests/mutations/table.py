@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-FULL = ("tests/attention/full/test_paper.py", "tests/attention/test_focal.py")
-FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
+FULL = ("tests/attention/full/test_paper.py", "tests/attention/focal/test_module.py")
+FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/focal/test_module.py")
 LAZY = (
     "tests/attention/lazy/test_paper.py",
     "tests/attention/lazy/test_module.py",
@@ -48,7 +48,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- the five ---------------------------------------------------------------------------------------
     Mutation(
         "focal-multiplies-by-tau",
-        "model/attention/focal.py",
+        "model/attention/focal/module.py",
         (("(1.0 / self.tau(hidden, q_pos, cache))", "(self.tau(hidden, q_pos, cache))"),),
         "focal learned: logits multiplied by tau instead of divided (eq. 6)",
         FOCAL,
@@ -56,7 +56,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focal-prefix-sum",
-        "model/attention/focal.py",
+        "model/attention/focal/naive.py",
         (("z = csum / (q_pos + 1).to(z.dtype)", "z = csum"),),
         "focal prefix_mean scope: the prefix sum instead of the mean",
         FOCAL,
@@ -89,22 +89,22 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- full and focal -----------------------------------------------------------------------------------------
     Mutation(
         "full-scale-over-d",
-        "model/attention/full.py",
+        "model/attention/full/module.py",
         (("return 1.0 / math.sqrt(self.spec.head_dim)", "return 1.0 / self.spec.head_dim"),),
         "full: logits scaled by 1/d instead of 1/sqrt(d)",
         FULL,
     ),
     Mutation(
         "focal-t-multiplies",
-        "model/attention/focal.py",
-        (("return 1.0 / (self.cfg.t * math.sqrt(", "return self.cfg.t / (math.sqrt("),),
+        "model/attention/focal/naive.py",
+        (("return 1.0 / (t * math.sqrt(", "return t / (math.sqrt("),),
         "focal constant: t multiplies the logits instead of dividing them (eq. 5)",
         FOCAL,
     ),
     Mutation(
         "focal-no-clip",
-        "model/attention/focal.py",
-        (("torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)", "self.tau_offset + z"),),
+        "model/attention/focal/naive.py",
+        (("torch.clamp(offset + z, tau_min, tau_max)", "offset + z"),),
         "focal learned: tau not clipped to [tau_min, tau_max] (eq. 6)",
         FOCAL,
     ),

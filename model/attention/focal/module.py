@@ -12,39 +12,17 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from core.errors import ConfigError, check_choice, check_min
-from model.attention.common.base import CPGather, KVCache, LayerSpec, SuiteCase, VariantConfig, register_attention
-from model.attention.full import FullAttention
-
-MODES = ("constant", "learned")
-SCOPES = ("query", "prefix_mean", "sequence_mean")
+from model.attention.common.base import CPGather, KVCache, LayerSpec, SuiteCase
+from model.attention.focal import naive
+from model.attention.focal.config import FocalConfig
+from model.attention.full.module import FullAttention
 
 
-@dataclass
-class FocalConfig(VariantConfig):
-    mode: str = "constant"  # constant (a fixed temperature t) | learned (a per-query temperature)
-    t: float = 0.4  # constant mode: temperature scale
-    tau_min: float = 5.0  # learned mode: clip range of the divisor
-    tau_max: float = 10.0  # learned mode: upper clip of the divisor
-    scope: str = "query"  # learned mode: query | prefix_mean | sequence_mean (non-causal)
-
-    def validate(self, prefix: str) -> None:
-        check_choice(prefix + "mode", self.mode, MODES)
-        check_choice(prefix + "scope", self.scope, SCOPES)
-        check_min(prefix + "t", self.t, 0.0, strict=True)
-        check_min(prefix + "tau_min", self.tau_min, 0.0, strict=True)
-        if self.tau_max < self.tau_min:
-            raise ConfigError(f"{prefix}tau_max: {self.tau_max} is below tau_min={self.tau_min}")
-
-
-@register_attention("focal", FocalConfig)
 class FocalAttention(FullAttention):
     description = "Focal temperature attention"
     supports_documents = False  # its temperature reads positions and prefix statistics across documents
@@ -52,7 +30,7 @@ class FocalAttention(FullAttention):
     def __init__(self, cfg: FocalConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
         self.w_tau = nn.Parameter(torch.zeros(spec.d_model)) if cfg.mode == "learned" else None
-        self.tau_offset = min(max(math.sqrt(spec.head_dim), cfg.tau_min), cfg.tau_max)
+        self.tau_offset = naive.tau_offset(spec.head_dim, cfg.tau_min, cfg.tau_max)
 
     @classmethod
     def suite_cases(cls) -> list[SuiteCase]:
@@ -68,28 +46,31 @@ class FocalAttention(FullAttention):
             nn.init.zeros_(self.w_tau)
 
     def tau(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> Tensor:
-        """[B, Tq] divisor of each query's logits."""
+        """[B, Tq] divisor of each query's logits (``naive.learned_tau``); a KV cache keeps the running sum of
+        x . w_tau that the prefix and sequence means continue from."""
         assert self.w_tau is not None  # learned mode: the only caller
-        z = hidden.to(self.w_tau.dtype) @ self.w_tau  # [B, Tq]
-        if self.cfg.scope != "query":
-            csum = torch.cumsum(z, dim=1)
-            if cache is not None and "focal_zsum" in cache.extra:  # sum over the tokens already cached
-                csum = csum + cache.extra["focal_zsum"][:, None]
-            if cache is not None:
-                cache.extra["focal_zsum"] = csum[:, -1].detach()
-            if self.cfg.scope == "prefix_mean":
-                z = csum / (q_pos + 1).to(z.dtype)
-            else:  # the mean over every token of the sequence (so far, when decoding)
-                z = (csum[:, -1:] / (q_pos[-1] + 1).to(z.dtype)).expand_as(z)
-        return self.clipped(z)
+        prior = cache.extra.get("focal_zsum") if cache is not None else None
+        tau, total = naive.learned_tau(
+            hidden,
+            self.w_tau,
+            q_pos,
+            scope=self.cfg.scope,
+            offset=self.tau_offset,
+            tau_min=self.cfg.tau_min,
+            tau_max=self.cfg.tau_max,
+            prior_sum=prior,
+        )
+        if cache is not None and total is not None:
+            cache.extra["focal_zsum"] = total.detach()
+        return tau
 
     def clipped(self, z: Tensor) -> Tensor:
         """tau = clip(tau_offset + z, tau_min, tau_max) (eq. 6), for the whole-sequence and the CP paths."""
-        return torch.clamp(self.tau_offset + z, self.cfg.tau_min, self.cfg.tau_max)
+        return naive.clipped_tau(z, self.tau_offset, self.cfg.tau_min, self.cfg.tau_max)
 
     def logit_scale(self, hidden: Tensor, q_pos: Tensor, cache: KVCache | None) -> float | Tensor:
         if self.cfg.mode == "constant":
-            return 1.0 / (self.cfg.t * math.sqrt(self.spec.head_dim))
+            return naive.constant_scale(self.cfg.t, self.spec.head_dim)
         return (1.0 / self.tau(hidden, q_pos, cache))[:, None, :, None]
 
     # Under context parallelism the prefix and sequence means read every earlier token's x . w_tau: one scalar per
@@ -111,6 +92,10 @@ class FocalAttention(FullAttention):
             z = (csum[:, -1:] / csum.shape[1]).expand(-1, q_pos.numel())
         tau = self.clipped(z)
         return (1.0 / tau)[:, None, :, None]
+
+    def reference_weights(self, q: Tensor, k: Tensor, scale: float | Tensor, *, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The temperature-scaled dense weights (``naive.weights``)."""
+        return naive.weights(q, k, q_pos, k_pos, scale)
 
     def stats(self, scale: float | Tensor) -> dict[str, Tensor]:
         if isinstance(scale, Tensor):
