@@ -251,7 +251,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "dga-compressed-visible-early",
         "model/attention/dga/module.py",
-        (("avail = ((starts + 2 * c).to(k.device))", "avail = ((starts + c).to(k.device))"),),
+        (("avail = (starts + 2 * c)[:, None]  # [U, 1]", "avail = (starts + c)[:, None]  # [U, 1]"),),
         "dga causal gathered path: chunk c's compression used from chunk c + 1 (while still raw) instead of c + 2",
         DGA,
     ),
