@@ -19,7 +19,7 @@ FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
 LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
 FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
-HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
+HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/prescored_hyper/test_module.py")
 ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
 
 
