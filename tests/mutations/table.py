@@ -19,7 +19,11 @@ FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
 LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
 FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
-HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/prescored_hyper/test_module.py")
+HYPER = (
+    "tests/attention/prescored_hyper/test_paper.py",
+    "tests/attention/prescored_hyper/test_module.py",
+    "tests/attention/prescored_hyper/test_scoring.py",
+)
 ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
 
 
@@ -62,7 +66,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "hyper-residual-weight-one",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/plan.py",
         (("torch.log(nv_h.clamp(min=1) / s_eff)", "torch.zeros_like(s_eff)"),),
         "prescored_hyper: residual columns weighted 1 instead of n/s",
         HYPER,
@@ -251,14 +255,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- prescored_hyper ----------------------------------------------------------------------------------------
     Mutation(
         "hyper-leverage-is-norm",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/scoring.py",
         (("return (kg * k).sum(-1)", "return (k * k).sum(-1)"),),
         "prescored_hyper leverage scoring: squared norms instead of the hat matrix's diagonal",
         HYPER,
     ),
     Mutation(
         "hyper-keeps-lowest-scores",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/module.py",
         (
             (
                 "self.key_scores(k, dense=dense).topk(keep, dim=-1)",
@@ -270,15 +274,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "hyper-no-fallback",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/module.py",
         (("or keep < self.cfg.min_keys:", "or keep < 0:"),),
         "prescored_hyper: no fallback to plain HyperAttention when fewer than min_keys survive",
         HYPER,
     ),
     Mutation(
         "hyper-exact-block-boundary",
-        "model/attention/prescored_hyper/__init__.py",
-        (("if qe - qs <= self.cfg.min_seq_len:", "if qe - qs < self.cfg.min_seq_len:"),),
+        "model/attention/prescored_hyper/plan.py",
+        (("if qe - qs <= cfg.min_seq_len:", "if qe - qs < cfg.min_seq_len:"),),
         "prescored_hyper: recursive halving goes one level further (exact block < instead of <= min_seq_len)",
         HYPER,
     ),
