@@ -1,5 +1,5 @@
-"""Pre-scored HyperAttention, the module: convergence to exact attention, the fallback, the cached past, and
-option errors. The key scorers: ``test_scoring.py``."""
+"""Pre-scored HyperAttention, the module: convergence to exact attention, the fast path against the dense
+reference (``naive``), the fallback, the cached past, and option errors. The key scorers: ``test_scoring.py``."""
 
 from __future__ import annotations
 
@@ -89,6 +89,28 @@ def test_fast_path_equals_the_dense_weighted_softmax_for_a_cached_past():
         outs.append((out.output, torch.autograd.grad(out.output.square().sum(), (q, k, v))))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=1e-12, rtol=1e-10)
     for a, b in zip(outs[1][1], outs[0][1]):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("positions", [(0, 96), (40, 96)], ids=["whole", "cached-past"])
+def test_fast_path_equals_the_naive_weighted_softmax_of_the_same_plan(scoring, positions):
+    """``hyper.attention`` on a plan against ``naive.attention`` over ``naive.log_weights`` of that plan: values
+    and gradients, for a whole sequence and for a chunk of queries on top of a cached past."""
+    lo, hi = positions
+    q, k, v = (x.clone().requires_grad_(True) for x in inputs(t=hi, seed=13))
+    m = module(scoring=scoring, top_k=40, sample_size=6, min_seq_len=20)
+    qc, q_pos = q[:, :, lo:], torch.arange(lo, hi)
+    pieces = m.plan(qc.detach(), k.detach(), q_pos)
+    assert any(isinstance(p, HyperPiece) for p in pieces) and any(isinstance(p, ExactPiece) for p in pieces)
+    fast = hyper.attention(qc, k, v, q_pos, pieces, m.scale, m.cfg.block_size)
+    lw = naive.log_weights(pieces, 2, 4, hi - lo, hi, q_pos, q.device)
+    dense = naive.attention(qc, k, v, lw, m.scale)
+    torch.testing.assert_close(fast, dense, atol=1e-12, rtol=1e-10)
+    w = torch.randn(dense.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    for a, b in zip(
+        torch.autograd.grad((fast * w).sum(), (q, k, v)), torch.autograd.grad((dense * w).sum(), (q, k, v))
+    ):
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
