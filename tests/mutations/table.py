@@ -29,7 +29,11 @@ DGA = (
     "tests/attention/dga/test_flex.py",
     "tests/attention/dga/test_cache.py",
 )
-HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
+HYPER = (
+    "tests/attention/prescored_hyper/test_paper.py",
+    "tests/attention/prescored_hyper/test_module.py",
+    "tests/attention/prescored_hyper/test_scoring.py",
+)
 ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
 
 
@@ -72,7 +76,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "hyper-residual-weight-one",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/plan.py",
         (("torch.log(nv_h.clamp(min=1) / s_eff)", "torch.zeros_like(s_eff)"),),
         "prescored_hyper: residual columns weighted 1 instead of n/s",
         HYPER,
@@ -265,14 +269,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- prescored_hyper ----------------------------------------------------------------------------------------
     Mutation(
         "hyper-leverage-is-norm",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/scoring.py",
         (("return (kg * k).sum(-1)", "return (k * k).sum(-1)"),),
         "prescored_hyper leverage scoring: squared norms instead of the hat matrix's diagonal",
         HYPER,
     ),
     Mutation(
         "hyper-keeps-lowest-scores",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/module.py",
         (
             (
                 "self.key_scores(k, dense=dense).topk(keep, dim=-1)",
@@ -284,15 +288,15 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "hyper-no-fallback",
-        "model/attention/prescored_hyper/__init__.py",
+        "model/attention/prescored_hyper/module.py",
         (("or keep < self.cfg.min_keys:", "or keep < 0:"),),
         "prescored_hyper: no fallback to plain HyperAttention when fewer than min_keys survive",
         HYPER,
     ),
     Mutation(
         "hyper-exact-block-boundary",
-        "model/attention/prescored_hyper/__init__.py",
-        (("if qe - qs <= self.cfg.min_seq_len:", "if qe - qs < self.cfg.min_seq_len:"),),
+        "model/attention/prescored_hyper/plan.py",
+        (("if qe - qs <= cfg.min_seq_len:", "if qe - qs < cfg.min_seq_len:"),),
         "prescored_hyper: recursive halving goes one level further (exact block < instead of <= min_seq_len)",
         HYPER,
     ),

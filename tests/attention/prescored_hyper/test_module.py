@@ -1,5 +1,5 @@
-"""Pre-scored HyperAttention: convergence to exact attention, planted heavy keys, true leverage
-scores, the fallback, the cached past, and option errors."""
+"""Pre-scored HyperAttention, the module: convergence to exact attention, the fast path against the dense
+reference (``naive``), the fallback, the cached past, and option errors. The key scorers: ``test_scoring.py``."""
 
 from __future__ import annotations
 
@@ -9,16 +9,10 @@ import pytest
 import torch
 
 from core.errors import ConfigError
-from model.attention import KVCache, LayerSpec, build_attention, prescored_hyper
+from model.attention import KVCache, LayerSpec, build_attention
 from model.attention.common import reference as ref
-from model.attention.prescored_hyper import (
-    ExactPiece,
-    HyperPiece,
-    PrescoredHyperConfig,
-    cluster_scores,
-    cluster_scores_dense,
-    leverage_scores,
-)
+from model.attention.prescored_hyper import ExactPiece, HyperPiece, PrescoredHyperConfig, hyper, naive
+from model.attention.prescored_hyper import scoring as scorers
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
 SMALL = dict(block_size=8, min_seq_len=16, min_keys=4, lsh_bits=4)
@@ -98,6 +92,28 @@ def test_fast_path_equals_the_dense_weighted_softmax_for_a_cached_past():
         torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
 
 
+@pytest.mark.parametrize("scoring", SCORINGS)
+@pytest.mark.parametrize("positions", [(0, 96), (40, 96)], ids=["whole", "cached-past"])
+def test_fast_path_equals_the_naive_weighted_softmax_of_the_same_plan(scoring, positions):
+    """``hyper.attention`` on a plan against ``naive.attention`` over ``naive.log_weights`` of that plan: values
+    and gradients, for a whole sequence and for a chunk of queries on top of a cached past."""
+    lo, hi = positions
+    q, k, v = (x.clone().requires_grad_(True) for x in inputs(t=hi, seed=13))
+    m = module(scoring=scoring, top_k=40, sample_size=6, min_seq_len=20)
+    qc, q_pos = q[:, :, lo:], torch.arange(lo, hi)
+    pieces = m.plan(qc.detach(), k.detach(), q_pos)
+    assert any(isinstance(p, HyperPiece) for p in pieces) and any(isinstance(p, ExactPiece) for p in pieces)
+    fast = hyper.attention(qc, k, v, q_pos, pieces, m.scale, m.cfg.block_size)
+    lw = naive.log_weights(pieces, 2, 4, hi - lo, hi, q_pos, q.device)
+    dense = naive.attention(qc, k, v, lw, m.scale)
+    torch.testing.assert_close(fast, dense, atol=1e-12, rtol=1e-10)
+    w = torch.randn(dense.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(14))
+    for a, b in zip(
+        torch.autograd.grad((fast * w).sum(), (q, k, v)), torch.autograd.grad((dense * w).sum(), (q, k, v))
+    ):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-10)
+
+
 def test_single_query_decode_is_exact_attention_over_the_kept_keys():
     q, k, v = inputs(t=80, seed=4)
     m = module(top_k=30, sample_size=4)
@@ -114,87 +130,11 @@ def test_single_query_decode_is_exact_attention_over_the_kept_keys():
     assert past is None or past.shape[-1] < 79
 
 
-def planted_keys(n=512, d=16, groups=4, per=8, sigma=0.05, seed=0):
-    """Section 3.2's model: a few tight groups of keys along orthonormal directions u_i, the rest
-    noise in the orthogonal complement; every row unit-normalised (row-norm regularity)."""
-    g = torch.Generator().manual_seed(seed)
-    basis, _ = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
-    rows = torch.empty(n, d, dtype=torch.float64)
-    perm = torch.randperm(n, generator=g)
-    heavy = perm[: groups * per]
-    for i in range(groups):
-        rows[heavy[i * per : (i + 1) * per]] = basis[:, i] + sigma * torch.randn(
-            per, d, generator=g, dtype=torch.float64
-        )
-    noise = perm[groups * per :]
-    rows[noise] = torch.randn(len(noise), d - groups, generator=g, dtype=torch.float64) @ basis[:, groups:].T
-    return torch.nn.functional.normalize(rows, dim=-1), heavy
-
-
-@pytest.mark.parametrize("scoring", SCORINGS)
-def test_planted_heavy_keys_are_recovered(scoring):
-    spec = LayerSpec(d_model=64, n_heads=1, n_kv_heads=1, head_dim=16, max_seq_len=512, layer_idx=0, n_layers=1)
-    m = build_attention("prescored_hyper", PrescoredHyperConfig(scoring=scoring, top_k=32), spec).double()
-    recalls = []
-    for seed in range(4):
-        keys, heavy = planted_keys(seed=seed)
-        kept = m.kept_keys(keys[None, None])[0, 0]
-        recalls.append(len(set(kept.tolist()) & set(heavy.tolist())) / len(heavy))
-    assert min(recalls) >= 0.95, recalls
-
-
-def test_leverage_scores_are_the_hat_matrix_diagonal_not_squared_norms():
-    k = torch.randn(3, 2, 40, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(5))
-    k[0, 0, 7] *= 10  # a long row: a squared norm would rank it far above the rest
-    lev = leverage_scores(k, 1e-9)
-    for b in range(3):
-        for h in range(2):
-            kk = k[b, h]
-            hat = kk @ torch.linalg.inv(kk.T @ kk + 1e-9 * torch.eye(8, dtype=torch.float64)) @ kk.T
-            torch.testing.assert_close(lev[b, h], hat.diagonal(), atol=1e-10, rtol=1e-8)
-    assert (lev <= 1 + 1e-9).all() and abs(lev.sum(-1) - 8).max() < 1e-6  # trace of a rank-8 projection
-    assert lev[0, 0, 7] < 1.0
-
-
-def test_clustering_is_independent_per_batch_row_and_head():
-    k = torch.randn(2, 3, 50, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(6))
-    for median in (False, True):
-        batched = cluster_scores(k, 5, 6, median=median)
-        for b in range(2):
-            for h in range(3):
-                torch.testing.assert_close(
-                    batched[b, h], cluster_scores(k[b : b + 1, h : h + 1], 5, 6, median=median)[0, 0]
-                )
-
-
-@pytest.mark.parametrize("median", [False, True], ids=["kmeans", "kmedian"])
-@pytest.mark.parametrize("chunk", [1 << 20, 40])  # 40: every chunked loop runs many chunks
-def test_chunked_clustering_gives_the_dense_clusters_and_scores(median, chunk, monkeypatch):
-    """Same farthest-point start, same Lloyd assignments, same scores as the dense [T, n, D] reference: on
-    fixed seeds, float32 and float64 keys, duplicated keys, more centres than keys, no iteration."""
-    monkeypatch.setattr(prescored_hyper, "_CHUNK_ELEMS", chunk)
-    g = torch.Generator().manual_seed(11)
-    cases = [
-        (torch.randn(2, 3, 97, 8, generator=g, dtype=torch.float64), 5, 6),
-        (torch.randn(1, 2, 300, 16, generator=g), 16, 10),
-        (torch.randn(1, 1, 7, 4, generator=g, dtype=torch.float64), 16, 3),
-        (torch.randn(1, 2, 50, 8, generator=g, dtype=torch.float64), 4, 0),
-    ]
-    dup = torch.randn(1, 2, 120, 8, generator=g, dtype=torch.float64)
-    dup[:, :, :60] = dup[:, :, :1]  # half the keys one point: ties everywhere
-    cases.append((dup, 6, 5))
-    for keys, n, iters in cases:
-        fast = cluster_scores(keys, n, iters, median=median)
-        dense = cluster_scores_dense(keys, n, iters, median=median)
-        torch.testing.assert_close(fast, dense, atol=1e-10, rtol=0)
-        t = keys.shape[2]
-        assert torch.equal(fast.topk(t // 3).indices, dense.topk(t // 3).indices)
-
-
 @pytest.mark.parametrize("scoring", SCORINGS)
 def test_chunked_pieces_and_the_in_place_merge_equal_the_reference(scoring, monkeypatch):
     """Long pieces in row chunks, and the no-grad forward merging pieces in place, against the dense path."""
-    monkeypatch.setattr(prescored_hyper, "_CHUNK_ELEMS", 64)
+    monkeypatch.setattr(scorers, "_CHUNK_ELEMS", 64)  # the key scoring's chunks
+    monkeypatch.setattr(hyper, "_CHUNK_ELEMS", 64)  # the pieces' row chunks
     q, k, v = inputs(t=96, seed=12)
     m = module(scoring=scoring, top_k=40, sample_size=6, min_seq_len=20)
     m.impl = "reference"
@@ -227,7 +167,7 @@ def test_kept_keys_are_gathered_so_the_work_drops():
             if isinstance(p, HyperPiece):
                 assert set(p.kidx[0, 0][p.kvalid[0, 0]].tolist()) <= kept
                 assert p.kidx.shape[-1] <= top_k
-        lw = m.log_weights(pieces, 2, 4, 128, 128, torch.arange(128), "cpu")
+        lw = naive.log_weights(pieces, 2, 4, 128, 128, torch.arange(128), torch.device("cpu"))
         pairs.append(int(torch.isfinite(lw).sum()))
     assert pairs[0] > pairs[1] > pairs[2], pairs
     assert pairs[0] < 2 * 4 * 128 * 129 // 2, "even with every key kept, LSH blocks + samples skip pairs"
