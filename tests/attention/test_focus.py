@@ -15,9 +15,10 @@ import torch
 from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
 from model.attention.common import reference as ref
-from model.attention.focus import FocusConfig, lambda_at
+from model.attention.focus import FocusConfig, lambda_at, naive
 from model.attention.focus.hard.decode_host import HostDecode
-from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits
+from model.attention.focus.hard.group_sparse import hard_attention
+from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import (
     group_imbalance,
     logcumsumexp,
@@ -25,6 +26,7 @@ from model.attention.focus.sinkhorn import (
     sinkhorn_sequence,
     sinkhorn_token_host,
 )
+from model.attention.focus.soft.flex import flex_soft_attention
 from model.config import ModelConfig
 from model.transformer import Transformer
 from tests.attention.test_suite import cache_chunk, random_inputs
@@ -218,7 +220,7 @@ def test_soft_gate_values():
     module = build_attention("focus", FocusConfig(window=3, lambda_init=5.0), SPEC).double()
     g = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]]], dtype=torch.float64)
     pos = torch.arange(4)
-    gate, distant = module.gate_logits(g, g, pos, pos)
+    gate, distant = naive.gate_logits(g, g, module.lam, pos, pos, window=3, gate="additive")
     assert distant.tolist()[3] == [True, False, False, False]
     torch.testing.assert_close(gate[0, 2, 0], torch.nn.functional.logsigmoid(torch.tensor(2.5, dtype=torch.float64)))
     torch.testing.assert_close(gate[0, 1, 0], torch.nn.functional.logsigmoid(torch.tensor(-2.5, dtype=torch.float64)))
@@ -228,7 +230,8 @@ def test_soft_gate_values():
     )
     mult = build_attention("focus", FocusConfig(window=3, lambda_init=5.0, gate="multiplicative"), SPEC).double()
     torch.testing.assert_close(
-        mult.gate_logits(g, g, pos, pos)[0][0, 2, 0], torch.sigmoid(torch.tensor(5.0, dtype=torch.float64))
+        naive.gate_logits(g, g, mult.lam, pos, pos, window=3, gate="multiplicative")[0][0, 2, 0],
+        torch.sigmoid(torch.tensor(5.0, dtype=torch.float64)),
     )
 
 
@@ -245,9 +248,12 @@ def test_soft_flex_score_mod_equals_the_reference_forward(gate, q_range):
         q_pos, k_pos = torch.arange(lo, hi), torch.arange(40)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            fast = module.soft_flex(q[:, :, lo:hi] * 2, k, v, g_all[:, lo:hi], g_all, q_pos)
+            fast = flex_soft_attention(
+                q[:, :, lo:hi] * 2, k, v, g_all[:, lo:hi], g_all, module.lam, q_pos, window=6, scale=module._scale(),
+                gate=gate,
+            )  # fmt: skip
         s = ref.scores(q[:, :, lo:hi] * 2, k, 1 / math.sqrt(8))
-        gates, distant = module.gate_logits(g_all[:, lo:hi], g_all, q_pos, k_pos)
+        gates, distant = naive.gate_logits(g_all[:, lo:hi], g_all, module.lam, q_pos, k_pos, window=6, gate=gate)
         s = (
             s + torch.where(distant, gates, 0.0)[:, None]
             if gate == "additive"

@@ -22,8 +22,7 @@ import torch.nn.functional as F
 
 from model.attention import KVCache, LayerSpec, build_attention
 from model.attention.common import flex as flex_mod
-from model.attention.common import reference as ref
-from model.attention.focus import FocusConfig
+from model.attention.focus import FocusConfig, naive
 from model.attention.focus.hard import cpu as focus_hard
 from model.attention.focus.hard import decode as focus_hard_decode
 from model.attention.focus.hard import decode_host as focus_decode_host
@@ -36,7 +35,8 @@ from model.attention.focus.hard.flex import (
     flex_hard_attention,
     group_block_mask_tensors,
 )
-from model.attention.focus.hard.group_sparse import hard_mask, membership_bits
+from model.attention.focus.naive import membership_bits
+from model.attention.focus.soft.flex import flex_soft_attention
 from tests.attention.test_suite import cache_chunk, random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=1024, layer_idx=0, n_layers=1)
@@ -64,8 +64,7 @@ def dense(q, k, v, bits_q, bits_k, window, q_pos=None):
     tk = k.shape[2]
     k_pos = torch.arange(tk)
     q_pos = torch.arange(tk - q.shape[2], tk) if q_pos is None else q_pos
-    mask = hard_mask(bits_q, bits_k, q_pos, k_pos, window)
-    return ref.weighted_values(ref.masked_softmax(ref.scores(q, k, SCALE), mask[:, None]), v, q.dtype)
+    return naive.hard_attention(q, k, v, bits_q, bits_k, q_pos=q_pos, k_pos=k_pos, window=window, scale=SCALE)
 
 
 def dense_fn(bits, window):
@@ -420,7 +419,10 @@ def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_back
             out = module(*xs[:3], hidden=xs[3], positions=pos).output
         else:
             g_q, g_k = module.assignments(xs[3], None)
-            out = module.soft_flex(*xs[:3], g_q, g_k, pos)
+            cfg = module.cfg
+            out = flex_soft_attention(
+                *xs[:3], g_q, g_k, module.lam, pos, window=cfg.window, scale=module._scale(), gate=cfg.gate
+            )
         weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
         (out * weights).sum().backward()
         results[impl] = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()})

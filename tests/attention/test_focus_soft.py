@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from model.attention import KVCache, LayerSpec, build_attention
-from model.attention.focus import FocusConfig, soft
+from model.attention.focus import FocusConfig, naive
+from model.attention.focus.soft import cpu as soft_cpu
 from tests.attention.test_suite import random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
@@ -24,8 +25,8 @@ TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """Blocks of MIN_BLOCK = 32 query rows here, so T = 75 is three blocks, the last one partial."""
-    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(soft, "BLOCK_SHARE", 0)
+    monkeypatch.setattr(soft_cpu, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(soft_cpu, "BLOCK_SHARE", 0)
 
 
 def module(seed: int, dtype: torch.dtype, **options) -> torch.nn.Module:
@@ -101,7 +102,13 @@ def test_a_gate_past_the_sigmoids_underflow_uses_logsigmoid(lam):
     m = module(0, torch.float64)
     pos = torch.arange(40)
     results = []
-    for fn in (lambda: m.soft_dense(*ins[:4], ins[3], pos, pos), lambda: _soft(m, ins)):
+
+    def dense():
+        return naive.soft_attention(
+            *ins[:4], ins[3], m.lam, q_pos=pos, k_pos=pos, window=8, scale=m._scale(), gate="additive"
+        )
+
+    for fn in (dense, lambda: _soft(m, ins)):
         with torch.no_grad():
             m.lam.fill_(lam)
         for x in ins:
@@ -114,7 +121,7 @@ def test_a_gate_past_the_sigmoids_underflow_uses_logsigmoid(lam):
 
 
 def _soft(m, ins):
-    return soft.soft_attention(*ins[:3], ins[3], ins[3], m.lam, window=8, scale=m._scale(), gate="additive")
+    return soft_cpu.cpu_soft_attention(*ins[:3], ins[3], ins[3], m.lam, window=8, scale=m._scale(), gate="additive")
 
 
 @pytest.mark.parametrize("gate", ["additive", "multiplicative"])
@@ -151,8 +158,8 @@ def test_fast_path_on_cpu_only_for_float32_and_float64():
 
 
 def test_block_rows_bound_the_block_temporaries(monkeypatch):
-    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1 << 20)
-    monkeypatch.setattr(soft, "BLOCK_SHARE", 2)
-    assert soft.block_rows(1, 4, 16384, 16384, 64) == 128  # a [B, H, Bq, T] temporary of twice q's size
-    assert soft.block_rows(1, 4, 1024, 1024, 64) == 256  # 4 MiB
-    assert soft.block_rows(1, 4, 100, 100, 64) == 100  # a short sequence is one block
+    monkeypatch.setattr(soft_cpu, "BLOCK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(soft_cpu, "BLOCK_SHARE", 2)
+    assert soft_cpu.block_rows(1, 4, 16384, 16384, 64) == 128  # a [B, H, Bq, T] temporary of twice q's size
+    assert soft_cpu.block_rows(1, 4, 1024, 1024, 64) == 256  # 4 MiB
+    assert soft_cpu.block_rows(1, 4, 100, 100, 64) == 100  # a short sequence is one block

@@ -133,7 +133,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- focus --------------------------------------------------------------------------------------------------
     Mutation(
         "focus-tau-multiplies",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/module.py",
         (("@ self.centroids.to(dtype).T) / self.cfg.tau", "@ self.centroids.to(dtype).T) * self.cfg.tau"),),
         "focus: group scores multiplied by tau instead of divided (eq. 2)",
         FOCUS,
@@ -159,25 +159,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-gate-offset",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (("F.logsigmoid(lam * (affinity - 0.5))", "F.logsigmoid(lam * affinity)"),),
         "focus additive gate: log sigmoid(lam g.g) without the 0.5 offset (E.4.8)",
         FOCUS,
     ),
     Mutation(
         "focus-multiplicative-gate-offset",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (("torch.sigmoid(lam * affinity), distant", "torch.sigmoid(lam * (affinity - 0.5)), distant"),),
         "focus multiplicative gate: sigmoid(lam (g.g - 0.5)) instead of eq. 4's sigmoid(lam g.g)",
         FOCUS,
     ),
     Mutation(
         "focus-soft-window-boundary",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (
             (
-                "distant = (q_pos[:, None] - k_pos[None, :]) >= self.cfg.window",
-                "distant = (q_pos[:, None] - k_pos[None, :]) > self.cfg.window",
+                "distant = (q_pos[:, None] - k_pos[None, :]) >= window",
+                "distant = (q_pos[:, None] - k_pos[None, :]) > window",
             ),
         ),
         "focus soft: pairs at i - j = w left ungated (window boundary)",
@@ -185,7 +185,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-hard-window-boundary",
-        "model/attention/focus/hard/group_sparse.py",
+        "model/attention/focus/naive.py",
         (
             (
                 "local = (q_pos[:, None] - k_pos[None, :]) < window",
@@ -204,7 +204,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-top-k-smallest",
-        "model/attention/focus/hard/group_sparse.py",
+        "model/attention/focus/naive.py",
         (
             (
                 "descending=True, stable=True).indices[..., :top_k]",
@@ -347,14 +347,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-soft-cpu-gate-offset",
-        "model/attention/focus/soft.py",
+        "model/attention/focus/soft/cpu.py",
         (("(-0.5 * lam).expand", "(-0.25 * lam).expand"),),
         "focus soft CPU path: gate lam (g_i . g_j - 0.25) instead of - 0.5 (E.4.8)",
         FOCUS,
     ),
     Mutation(
         "focus-soft-cpu-window-boundary",
-        "model/attention/focus/soft.py",
+        "model/attention/focus/soft/cpu.py",
         (("self.near = (pos - keys < window) & ~self.future", "self.near = (pos - keys <= window) & ~self.future"),),
         "focus soft CPU path: the window one key wider (i - j <= w ungated)",
         FOCUS,
