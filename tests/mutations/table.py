@@ -17,7 +17,11 @@ from dataclasses import dataclass
 FULL = ("tests/attention/full/test_paper.py", "tests/attention/test_focal.py")
 FOCAL = ("tests/attention/focal/test_paper.py", "tests/attention/test_focal.py")
 LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
-FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
+FOCUS = (
+    "tests/attention/focus/test_paper.py",
+    "tests/attention/focus/test_module.py",
+    "tests/attention/focus/test_hard.py",
+)
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
 HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
 ROPE = ("tests/model/test_rope_paper.py", "tests/model/test_rope.py")
