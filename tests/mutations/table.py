@@ -20,7 +20,9 @@ LAZY = ("tests/attention/lazy/test_paper.py", "tests/attention/test_lazy.py")
 FOCUS = (
     "tests/attention/focus/test_paper.py",
     "tests/attention/focus/test_module.py",
+    "tests/attention/focus/test_sinkhorn.py",
     "tests/attention/focus/test_hard.py",
+    "tests/attention/focus/test_soft.py",
 )
 DGA = ("tests/attention/dga/test_paper.py", "tests/attention/test_dga.py")
 HYPER = ("tests/attention/prescored_hyper/test_paper.py", "tests/attention/test_prescored_hyper.py")
