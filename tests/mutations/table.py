@@ -21,7 +21,13 @@ LAZY = (
     "tests/attention/lazy/test_module.py",
     "tests/attention/lazy/test_flex.py",
 )
-FOCUS = ("tests/attention/focus/test_paper.py", "tests/attention/test_focus.py", "tests/attention/test_focus_hard.py")
+FOCUS = (
+    "tests/attention/focus/test_paper.py",
+    "tests/attention/focus/test_module.py",
+    "tests/attention/focus/test_sinkhorn.py",
+    "tests/attention/focus/test_hard.py",
+    "tests/attention/focus/test_soft.py",
+)
 DGA = (
     "tests/attention/dga/test_paper.py",
     "tests/attention/dga/test_module.py",
@@ -151,7 +157,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     # ---- focus --------------------------------------------------------------------------------------------------
     Mutation(
         "focus-tau-multiplies",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/module.py",
         (("@ self.centroids.to(dtype).T) / self.cfg.tau", "@ self.centroids.to(dtype).T) * self.cfg.tau"),),
         "focus: group scores multiplied by tau instead of divided (eq. 2)",
         FOCUS,
@@ -177,25 +183,25 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-gate-offset",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (("F.logsigmoid(lam * (affinity - 0.5))", "F.logsigmoid(lam * affinity)"),),
         "focus additive gate: log sigmoid(lam g.g) without the 0.5 offset (E.4.8)",
         FOCUS,
     ),
     Mutation(
         "focus-multiplicative-gate-offset",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (("torch.sigmoid(lam * affinity), distant", "torch.sigmoid(lam * (affinity - 0.5)), distant"),),
         "focus multiplicative gate: sigmoid(lam (g.g - 0.5)) instead of eq. 4's sigmoid(lam g.g)",
         FOCUS,
     ),
     Mutation(
         "focus-soft-window-boundary",
-        "model/attention/focus/__init__.py",
+        "model/attention/focus/naive.py",
         (
             (
-                "distant = (q_pos[:, None] - k_pos[None, :]) >= self.cfg.window",
-                "distant = (q_pos[:, None] - k_pos[None, :]) > self.cfg.window",
+                "distant = (q_pos[:, None] - k_pos[None, :]) >= window",
+                "distant = (q_pos[:, None] - k_pos[None, :]) > window",
             ),
         ),
         "focus soft: pairs at i - j = w left ungated (window boundary)",
@@ -203,7 +209,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-hard-window-boundary",
-        "model/attention/focus/hard/group_sparse.py",
+        "model/attention/focus/naive.py",
         (
             (
                 "local = (q_pos[:, None] - k_pos[None, :]) < window",
@@ -222,7 +228,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-top-k-smallest",
-        "model/attention/focus/hard/group_sparse.py",
+        "model/attention/focus/naive.py",
         (
             (
                 "descending=True, stable=True).indices[..., :top_k]",
@@ -365,14 +371,14 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "focus-soft-cpu-gate-offset",
-        "model/attention/focus/soft.py",
+        "model/attention/focus/soft/cpu.py",
         (("(-0.5 * lam).expand", "(-0.25 * lam).expand"),),
         "focus soft CPU path: gate lam (g_i . g_j - 0.25) instead of - 0.5 (E.4.8)",
         FOCUS,
     ),
     Mutation(
         "focus-soft-cpu-window-boundary",
-        "model/attention/focus/soft.py",
+        "model/attention/focus/soft/cpu.py",
         (("self.near = (pos - keys < window) & ~self.future", "self.near = (pos - keys <= window) & ~self.future"),),
         "focus soft CPU path: the window one key wider (i - j <= w ungated)",
         FOCUS,

@@ -2,7 +2,7 @@
 
 The hard mask: query i attends key j iff j <= i and (i - j < window or their group memberships intersect). Its pairs
 split into disjoint parts; each part is one attention call returning (output, logsumexp), and the parts merge exactly
-by logsumexp. The dense masked reference stays in ``model.attention.focus``; ``group_sparse.hard_attention`` is
+by logsumexp. The dense masked reference is ``naive.hard_attention``; ``group_sparse.hard_attention`` is
 the batched dense decomposition kept for devices without these kernels.
 
 CPU, ``cpu_hard_attention``: every part is a call of the fused CPU flash kernel

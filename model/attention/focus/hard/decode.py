@@ -1,5 +1,5 @@
 """Focus hard mode, decode: the new token reads the window and the far members of its own groups only, from
-per-group member lists kept with the KV cache (see ``focus_hard``'s docstring).
+per-group member lists kept with the KV cache (see ``hard/cpu.py``'s docstring).
 
 A decode step is a few kernel calls around a fixed cost of small operations (at batch 1 the small operations took
 as long as the kernels), so the lists are Python-side int64 arrays (append and bisection without tensor

@@ -1,5 +1,5 @@
 """Focus hard mode on the GPU: the group part and the band part as two FlexAttention calls, block masks built
-from group counts and cached (see ``focus_hard``'s docstring).
+from group counts and cached (see ``hard/cpu.py``'s docstring).
 """
 
 from __future__ import annotations

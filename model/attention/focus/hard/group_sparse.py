@@ -1,7 +1,7 @@
 """Exact attention under hard group membership (Focus inference, paper appendix E.4).
 
 Each token belongs to a set of groups, a bitmask (top-k of its assignment). Query i attends key j
-iff j <= i and (i - j < window or their memberships intersect). Dense reference: ``hard_mask``.
+iff j <= i and (i - j < window or their memberships intersect). Dense reference: ``naive.hard_mask``.
 
 Exact decomposition, ``hard_attention``: the allowed pairs split into disjoint sets
 - A_c, for each group c: pairs that share group c and no lower-numbered group (so a pair sharing
@@ -19,22 +19,6 @@ import torch
 from torch import Tensor
 
 from model.attention.common import reference as ref
-
-
-def membership_bits(assign: Tensor, top_k: int) -> Tensor:
-    """[B, T, K] assignments -> [B, T] int64 bitmask of each token's top-k groups (ties: lower index)."""
-    if top_k == 1:  # argmax returns the first of tied maxima too: the same bits, two operations
-        return torch.pow(2, assign.argmax(-1))
-    top = torch.sort(assign, dim=-1, descending=True, stable=True).indices[..., :top_k]
-    return torch.bitwise_left_shift(torch.ones_like(top), top).sum(-1)
-
-
-def hard_mask(bits_q: Tensor, bits_k: Tensor, q_pos: Tensor, k_pos: Tensor, window: int) -> Tensor:
-    """[B, Tq, Tk] boolean: the dense mask of the hard Focus pattern."""
-    causal = ref.causal_mask(q_pos, k_pos)
-    local = (q_pos[:, None] - k_pos[None, :]) < window
-    shared = (bits_q[:, :, None] & bits_k[:, None, :]) != 0
-    return causal & (local | shared)
 
 
 def attend_lse(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float) -> tuple[Tensor, Tensor]:

@@ -1,5 +1,5 @@
 """Focus hard mode on the CPU kernel: selectors of the rows one kernel call reads, and the parts they form
-(split out of ``focus_hard``, which plans and runs the parts).
+(split out of ``cpu``, which plans and runs the parts).
 """
 
 from __future__ import annotations

@@ -7,14 +7,12 @@
 - GPU form (two FlexAttention calls) through FlexAttention's eager math implementation on CPU, values and gradients,
   and its block masks checked against the token-level mask (the eager path ignores block sparsity, so coverage is
   tested directly).
-- Focus soft's FlexAttention path with lambda folded into the captured vectors: values and gradients (lambda
-  included); the causal block mask is built once per shape and shared.
+- The causal block mask (shared with the soft mode's FlexAttention path) is built once per shape and shared.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -22,8 +20,7 @@ import torch.nn.functional as F
 
 from model.attention import KVCache, LayerSpec, build_attention
 from model.attention.common import flex as flex_mod
-from model.attention.common import reference as ref
-from model.attention.focus import FocusConfig
+from model.attention.focus import FocusConfig, naive
 from model.attention.focus.hard import cpu as focus_hard
 from model.attention.focus.hard import decode as focus_hard_decode
 from model.attention.focus.hard import decode_host as focus_decode_host
@@ -36,7 +33,7 @@ from model.attention.focus.hard.flex import (
     flex_hard_attention,
     group_block_mask_tensors,
 )
-from model.attention.focus.hard.group_sparse import hard_mask, membership_bits
+from model.attention.focus.naive import membership_bits
 from tests.attention.test_suite import cache_chunk, random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=1024, layer_idx=0, n_layers=1)
@@ -64,8 +61,7 @@ def dense(q, k, v, bits_q, bits_k, window, q_pos=None):
     tk = k.shape[2]
     k_pos = torch.arange(tk)
     q_pos = torch.arange(tk - q.shape[2], tk) if q_pos is None else q_pos
-    mask = hard_mask(bits_q, bits_k, q_pos, k_pos, window)
-    return ref.weighted_values(ref.masked_softmax(ref.scores(q, k, SCALE), mask[:, None]), v, q.dtype)
+    return naive.hard_attention(q, k, v, bits_q, bits_k, q_pos=q_pos, k_pos=k_pos, window=window, scale=SCALE)
 
 
 def dense_fn(bits, window):
@@ -270,18 +266,6 @@ def test_host_decode_step_equals_the_tensor_decode_step(top_k, monkeypatch):
 
 
 # ---- GPU form through FlexAttention's eager implementation -------------------------------------------------------
-@pytest.fixture
-def eager_flex_backward(monkeypatch):
-    """FlexAttention refuses backward on CPU up front; its eager math implementation has one, which is what the CPU
-    check of the GPU code's logic uses."""
-    import torch.nn.attention.flex_attention as fa
-
-    monkeypatch.setattr(fa, "_validate_device", lambda *args: None)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield
-
-
 @pytest.mark.parametrize(
     "kind,top_ks",
     [
@@ -401,36 +385,6 @@ def test_causal_block_mask_is_cached_and_exact():
         q_p, k_p = torch.arange(tk - tq, tk), torch.arange(tk)
         any_allowed, all_allowed = _token_blocks((k_p[None, :] <= q_p[:, None])[None], 128)
         assert not (partial & full).any() and (partial | full).equal(any_allowed) and not (full & ~all_allowed).any()
-
-
-# ---- Focus soft: lambda folded, gradients ------------------------------------------------------------------------
-@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
-def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_backward):
-    """The learnable lambda reaches the score_mod only through the captured per-token vectors; eager FlexAttention's
-    backward then gives every gradient (q, k, v, hidden, w_g, centroids, lambda) equal to the dense reference's."""
-    module = build_attention("focus", FocusConfig(window=16, gate=gate, lambda_init=4.0), SPEC).double()
-    q, k, v, hidden = random_inputs(SPEC, 2, 300, torch.float64, 0)
-    pos = torch.arange(300)
-    results = {}
-    for impl in ("reference", "flex"):
-        xs = [x.clone().requires_grad_(True) for x in (q, k, v, hidden)]
-        module.zero_grad(set_to_none=True)
-        if impl == "reference":
-            module.impl = "reference"
-            out = module(*xs[:3], hidden=xs[3], positions=pos).output
-        else:
-            g_q, g_k = module.assignments(xs[3], None)
-            out = module.soft_flex(*xs[:3], g_q, g_k, pos)
-        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
-        (out * weights).sum().backward()
-        results[impl] = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()})
-    (ref_out, ref_grads, ref_pgrads), (out, grads, pgrads) = results["reference"], results["flex"]
-    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=0)
-    for a, r in zip(grads, ref_grads):
-        torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
-    assert pgrads["lam"] is not None and pgrads["lam"].abs() > 0
-    for name, r in ref_pgrads.items():
-        torch.testing.assert_close(pgrads[name], r, atol=1e-10, rtol=0, msg=name)
 
 
 def test_cpu_path_big_groups_run_in_query_chunks(monkeypatch):

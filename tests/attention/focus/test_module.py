@@ -1,4 +1,5 @@
-"""Focus: Sinkhorn, the soft gate, exact hard inference, statistics, the lambda schedule.
+"""Focus: the soft gate, exact hard inference (the batched decomposition against ``naive``), statistics, the lambda
+schedule. Sinkhorn is test_sinkhorn.py's, the fast paths test_soft.py's and test_hard.py's.
 
 The shared suite (test_suite.py) covers causality (prefix scope soft and hard; the sequence scope
 must leak), hard fast-vs-reference values and gradients, and KV-cache generation in both modes.
@@ -7,7 +8,6 @@ must leak), hard fast-vs-reference values and gradients, and KV-cache generation
 from __future__ import annotations
 
 import math
-import warnings
 
 import pytest
 import torch
@@ -15,16 +15,10 @@ import torch
 from core.errors import ConfigError
 from model.attention import LayerSpec, build_attention
 from model.attention.common import reference as ref
-from model.attention.focus import FocusConfig, lambda_at
-from model.attention.focus.hard.decode_host import HostDecode
-from model.attention.focus.hard.group_sparse import hard_attention, hard_mask, membership_bits
-from model.attention.focus.sinkhorn import (
-    group_imbalance,
-    logcumsumexp,
-    sinkhorn_prefix,
-    sinkhorn_sequence,
-    sinkhorn_token_host,
-)
+from model.attention.focus import FocusConfig, lambda_at, naive
+from model.attention.focus.hard.group_sparse import hard_attention
+from model.attention.focus.naive import hard_mask, membership_bits
+from model.attention.focus.sinkhorn import group_imbalance
 from model.config import ModelConfig
 from model.transformer import Transformer
 from tests.attention.test_suite import cache_chunk, random_inputs
@@ -34,96 +28,6 @@ SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=25
 
 def qkv(b, t, dtype=torch.float64, seed=0, spec=SPEC):
     return random_inputs(spec, b, t, dtype, seed)
-
-
-# ---- Sinkhorn --------------------------------------------------------------------------
-@pytest.mark.parametrize("scope", ["prefix", "sequence"])
-def test_sinkhorn_rows_sum_to_one(scope):
-    s = torch.randn(3, 50, 4, dtype=torch.float64) * 10
-    a = sinkhorn_prefix(s, 10)[0] if scope == "prefix" else sinkhorn_sequence(s, 10)
-    torch.testing.assert_close(a.sum(-1), torch.ones(3, 50, dtype=torch.float64), atol=1e-12, rtol=0)
-    assert (a >= 0).all()
-
-
-def test_sequence_sinkhorn_balances_groups_and_peaked_scores_need_more_iterations():
-    g = torch.Generator().manual_seed(0)
-    unit = torch.randn(4, 256, 4, generator=g, dtype=torch.float64)
-    spread = [group_imbalance(sinkhorn_sequence(unit, n)).item() for n in (1, 2, 3, 5, 10)]
-    assert all(b < a for a, b in zip(spread, spread[1:])), spread
-    assert spread[-1] < 1e-6, "unit-scale scores: 10 iterations equalise the group masses"
-    peaked = unit * 10  # scores as at tau = 0.1
-    after10, after50 = (group_imbalance(sinkhorn_sequence(peaked, n)).item() for n in (10, 50))
-    assert after10 > 0.05 and after50 < after10 / 10, (after10, after50)
-
-
-def test_prefix_sinkhorn_is_causal_and_resumable():
-    s = torch.randn(2, 30, 4, dtype=torch.float64) * 3
-    full, state = sinkhorn_prefix(s, 10)
-    # token i's assignment uses only tokens <= i
-    s2 = s.clone()
-    s2[:, 20] += 5.0
-    torch.testing.assert_close(sinkhorn_prefix(s2, 10)[0][:, :20], full[:, :20], atol=0, rtol=0)
-    assert (sinkhorn_prefix(s2, 10)[0][:, 20:] - full[:, 20:]).abs().max() > 1e-3
-    # chunk by chunk with the carried state equals one pass
-    a1, st1 = sinkhorn_prefix(s[:, :13], 10)
-    a2, st2 = sinkhorn_prefix(s[:, 13:14], 10, st1)
-    a3, st3 = sinkhorn_prefix(s[:, 14:], 10, st2)
-    torch.testing.assert_close(torch.cat([a1, a2, a3], 1), full, atol=1e-13, rtol=0)
-    torch.testing.assert_close(st3, state, atol=1e-12, rtol=0)
-
-
-def test_fast_logcumsumexp_equals_the_library_scan_values_gradients_and_causality():
-    """The CPU float32 path (float64 exp-cumsum-log) against ``torch.logcumsumexp`` in float64: values and gradients
-    (the library's float32 backward is the less accurate of the two); a position never depends on later ones, also
-    when a later value is out of the fast path's range (that suffix falls back to the library's scan)."""
-    g = torch.Generator().manual_seed(5)
-    x = (torch.randn(3, 200, 6, generator=g) * 20).requires_grad_()
-    x64 = x.detach().double().requires_grad_()
-    fast, exact = logcumsumexp(x, 1), torch.logcumsumexp(x64, 1)
-    torch.testing.assert_close(fast.double(), exact, atol=2e-5, rtol=1e-6)
-    w = torch.randn(fast.shape, generator=g)
-    (g_fast,) = torch.autograd.grad((fast * w).sum(), x)
-    (g_exact,) = torch.autograd.grad((exact * w.double()).sum(), x64)
-    (g_lib,) = torch.autograd.grad((torch.logcumsumexp(x, 1) * w).sum(), x)
-    torch.testing.assert_close(g_fast.double(), g_exact, atol=1e-5, rtol=1e-5)
-    assert (g_fast.double() - g_exact).abs().max() <= (g_lib.double() - g_exact).abs().max()
-    with torch.no_grad():
-        base = logcumsumexp(x, 1)
-        y = x.detach().clone()
-        y[1, 120, 2] = 500.0  # out of range: positions >= 120 of that column take the library's scan
-        out = logcumsumexp(y, 1)
-        torch.testing.assert_close(out[:, :120], base[:, :120], atol=0, rtol=0)
-        torch.testing.assert_close(out[1, 120:], torch.logcumsumexp(y, 1)[1, 120:], atol=0, rtol=0)
-        assert out[1, 120, 2] == torch.logcumsumexp(y, 1)[1, 120, 2] and out[1, 125, 2] > 499
-
-
-def test_prefix_sinkhorn_float32_matches_float64():
-    s = torch.randn(2, 300, 8, dtype=torch.float64) * 10  # scores as at tau = 0.1
-    a64, st64 = sinkhorn_prefix(s, 10)
-    a32, st32 = sinkhorn_prefix(s.float(), 10)
-    torch.testing.assert_close(a32.double(), a64, atol=1e-5, rtol=0)
-    torch.testing.assert_close(st32.double(), st64, atol=1e-4, rtol=1e-6)
-
-
-def test_host_token_sinkhorn_equals_the_tensor_prefix_sinkhorn():
-    """Decoding's host-float Sinkhorn of one token against ``sinkhorn_prefix`` in float64 (peaked scores, as at
-    tau = 0.1, after 300 earlier tokens); a non-finite score gives None (the tensor path takes over), and a state
-    with a non-finite mass never goes to the host."""
-    s = torch.randn(2, 301, 8, dtype=torch.float64) * 10
-    full, full_state = sinkhorn_prefix(s, 10)
-    _, state = sinkhorn_prefix(s[:, :300], 10)
-    for b in range(2):
-        token = sinkhorn_token_host(s[b, 300].tolist(), state[b].tolist())
-        assert token is not None
-        assignment, masses = token
-        torch.testing.assert_close(torch.tensor(assignment, dtype=torch.float64), full[b, 300], atol=1e-13, rtol=0)
-        torch.testing.assert_close(torch.tensor(masses, dtype=torch.float64), full_state[b], atol=1e-11, rtol=0)
-    bad = s[0, 300].tolist()
-    bad[3] = math.inf
-    assert sinkhorn_token_host(bad, state[0].tolist()) is None
-    assert HostDecode.accepts(state, torch.float64) and not HostDecode.accepts(state.float(), torch.float64)
-    state[1, 4, 2] = math.nan
-    assert not HostDecode.accepts(state, torch.float64)
 
 
 # ---- exact hard inference ---------------------------------------------------------------
@@ -218,7 +122,7 @@ def test_soft_gate_values():
     module = build_attention("focus", FocusConfig(window=3, lambda_init=5.0), SPEC).double()
     g = torch.tensor([[[1.0, 0, 0, 0], [0, 1.0, 0, 0], [1.0, 0, 0, 0], [0.5, 0.5, 0, 0]]], dtype=torch.float64)
     pos = torch.arange(4)
-    gate, distant = module.gate_logits(g, g, pos, pos)
+    gate, distant = naive.gate_logits(g, g, module.lam, pos, pos, window=3, gate="additive")
     assert distant.tolist()[3] == [True, False, False, False]
     torch.testing.assert_close(gate[0, 2, 0], torch.nn.functional.logsigmoid(torch.tensor(2.5, dtype=torch.float64)))
     torch.testing.assert_close(gate[0, 1, 0], torch.nn.functional.logsigmoid(torch.tensor(-2.5, dtype=torch.float64)))
@@ -228,33 +132,9 @@ def test_soft_gate_values():
     )
     mult = build_attention("focus", FocusConfig(window=3, lambda_init=5.0, gate="multiplicative"), SPEC).double()
     torch.testing.assert_close(
-        mult.gate_logits(g, g, pos, pos)[0][0, 2, 0], torch.sigmoid(torch.tensor(5.0, dtype=torch.float64))
+        naive.gate_logits(g, g, mult.lam, pos, pos, window=3, gate="multiplicative")[0][0, 2, 0],
+        torch.sigmoid(torch.tensor(5.0, dtype=torch.float64)),
     )
-
-
-@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
-@pytest.mark.parametrize("q_range", [(0, 40), (25, 40), (39, 40)])
-def test_soft_flex_score_mod_equals_the_reference_forward(gate, q_range):
-    """CPU has no FlexAttention backward: the score_mod is checked forward-only here (training,
-    chunked prefill and decode shapes); CUDA compares values and gradients in the shared suite."""
-    module = build_attention("focus", FocusConfig(window=6, gate=gate, lambda_init=4.0), SPEC).double()
-    q, k, v, hidden = qkv(2, 40, seed=3)
-    with torch.no_grad():
-        g_all = module.assignments(hidden, None)[0]
-        lo, hi = q_range
-        q_pos, k_pos = torch.arange(lo, hi), torch.arange(40)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            fast = module.soft_flex(q[:, :, lo:hi] * 2, k, v, g_all[:, lo:hi], g_all, q_pos)
-        s = ref.scores(q[:, :, lo:hi] * 2, k, 1 / math.sqrt(8))
-        gates, distant = module.gate_logits(g_all[:, lo:hi], g_all, q_pos, k_pos)
-        s = (
-            s + torch.where(distant, gates, 0.0)[:, None]
-            if gate == "additive"
-            else torch.where(distant, s * gates[:, None], s)
-        )
-        dense = ref.weighted_values(ref.masked_softmax(s, ref.causal_mask(q_pos, k_pos)), v, q.dtype)
-    torch.testing.assert_close(fast, dense, atol=1e-12, rtol=1e-10)
 
 
 def test_statistics_match_hand_computation():

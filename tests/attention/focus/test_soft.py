@@ -1,19 +1,30 @@
-"""Focus soft mode's blockwise CPU path (model/attention/focus/soft.py) against the dense reference.
+"""Focus soft mode's fast paths against the dense reference (``naive.soft_attention``).
 
-Through the module (so gradients reach the centroids, the group projection and lambda through g): float64 values
-and gradients within 1e-10, float32 within 1e-5, on a fixed seed list; both gates, both Sinkhorn scopes, softmax
-assignment, a window wider than the sequence, batch 2, grouped KV heads (4 query heads on 2), T not a multiple of the
-query block (blocks forced small), a scheduled lambda; chunked prefill and one-token decoding onto a KV cache equal
-the full forward; the statistics the trainer logs are the reference's.
+The blockwise CPU path (model/attention/focus/soft/cpu.py), through the module (so gradients reach the centroids,
+the group projection and lambda through g): float64 values and gradients within 1e-10, float32 within 1e-5, on a
+fixed seed list; both gates, both Sinkhorn scopes, softmax assignment, a window wider than the sequence, batch 2,
+grouped KV heads (4 query heads on 2), T not a multiple of the query block (blocks forced small), a scheduled lambda;
+chunked prefill and one-token decoding onto a KV cache equal the full forward; the statistics the trainer logs are
+the reference's.
+
+The FlexAttention ``score_mod`` (soft/flex.py) on the CPU: forward against the dense gate (training, chunked prefill
+and decode shapes), and with lambda folded into the captured vectors, values and gradients (lambda included) through
+FlexAttention's eager implementation.
 """
 
 from __future__ import annotations
+
+import math
+import warnings
 
 import pytest
 import torch
 
 from model.attention import KVCache, LayerSpec, build_attention
-from model.attention.focus import FocusConfig, soft
+from model.attention.common import reference as ref
+from model.attention.focus import FocusConfig, naive
+from model.attention.focus.soft import cpu as soft_cpu
+from model.attention.focus.soft.flex import flex_soft_attention
 from tests.attention.test_suite import random_inputs
 
 SPEC = LayerSpec(d_model=32, n_heads=4, n_kv_heads=2, head_dim=8, max_seq_len=256, layer_idx=0, n_layers=1)
@@ -24,8 +35,8 @@ TOL = {torch.float64: dict(atol=1e-10, rtol=1e-10), torch.float32: dict(atol=1e-
 @pytest.fixture(autouse=True)
 def small_blocks(monkeypatch):
     """Blocks of MIN_BLOCK = 32 query rows here, so T = 75 is three blocks, the last one partial."""
-    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(soft, "BLOCK_SHARE", 0)
+    monkeypatch.setattr(soft_cpu, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(soft_cpu, "BLOCK_SHARE", 0)
 
 
 def module(seed: int, dtype: torch.dtype, **options) -> torch.nn.Module:
@@ -101,7 +112,13 @@ def test_a_gate_past_the_sigmoids_underflow_uses_logsigmoid(lam):
     m = module(0, torch.float64)
     pos = torch.arange(40)
     results = []
-    for fn in (lambda: m.soft_dense(*ins[:4], ins[3], pos, pos), lambda: _soft(m, ins)):
+
+    def dense():
+        return naive.soft_attention(
+            *ins[:4], ins[3], m.lam, q_pos=pos, k_pos=pos, window=8, scale=m._scale(), gate="additive"
+        )
+
+    for fn in (dense, lambda: _soft(m, ins)):
         with torch.no_grad():
             m.lam.fill_(lam)
         for x in ins:
@@ -114,7 +131,7 @@ def test_a_gate_past_the_sigmoids_underflow_uses_logsigmoid(lam):
 
 
 def _soft(m, ins):
-    return soft.soft_attention(*ins[:3], ins[3], ins[3], m.lam, window=8, scale=m._scale(), gate="additive")
+    return soft_cpu.cpu_soft_attention(*ins[:3], ins[3], ins[3], m.lam, window=8, scale=m._scale(), gate="additive")
 
 
 @pytest.mark.parametrize("gate", ["additive", "multiplicative"])
@@ -151,8 +168,69 @@ def test_fast_path_on_cpu_only_for_float32_and_float64():
 
 
 def test_block_rows_bound_the_block_temporaries(monkeypatch):
-    monkeypatch.setattr(soft, "BLOCK_ELEMENTS", 1 << 20)
-    monkeypatch.setattr(soft, "BLOCK_SHARE", 2)
-    assert soft.block_rows(1, 4, 16384, 16384, 64) == 128  # a [B, H, Bq, T] temporary of twice q's size
-    assert soft.block_rows(1, 4, 1024, 1024, 64) == 256  # 4 MiB
-    assert soft.block_rows(1, 4, 100, 100, 64) == 100  # a short sequence is one block
+    monkeypatch.setattr(soft_cpu, "BLOCK_ELEMENTS", 1 << 20)
+    monkeypatch.setattr(soft_cpu, "BLOCK_SHARE", 2)
+    assert soft_cpu.block_rows(1, 4, 16384, 16384, 64) == 128  # a [B, H, Bq, T] temporary of twice q's size
+    assert soft_cpu.block_rows(1, 4, 1024, 1024, 64) == 256  # 4 MiB
+    assert soft_cpu.block_rows(1, 4, 100, 100, 64) == 100  # a short sequence is one block
+
+
+# ---- FlexAttention (soft/flex.py) ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
+@pytest.mark.parametrize("q_range", [(0, 40), (25, 40), (39, 40)])
+def test_soft_flex_score_mod_equals_the_reference_forward(gate, q_range):
+    """CPU has no FlexAttention backward: the score_mod is checked forward-only here (training,
+    chunked prefill and decode shapes); CUDA compares values and gradients in the shared suite."""
+    module = build_attention("focus", FocusConfig(window=6, gate=gate, lambda_init=4.0), SPEC).double()
+    q, k, v, hidden = random_inputs(SPEC, 2, 40, torch.float64, 3)
+    with torch.no_grad():
+        g_all = module.assignments(hidden, None)[0]
+        lo, hi = q_range
+        q_pos, k_pos = torch.arange(lo, hi), torch.arange(40)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            fast = flex_soft_attention(
+                q[:, :, lo:hi] * 2, k, v, g_all[:, lo:hi], g_all, module.lam, q_pos, window=6, scale=module._scale(),
+                gate=gate,
+            )  # fmt: skip
+        s = ref.scores(q[:, :, lo:hi] * 2, k, 1 / math.sqrt(8))
+        gates, distant = naive.gate_logits(g_all[:, lo:hi], g_all, module.lam, q_pos, k_pos, window=6, gate=gate)
+        s = (
+            s + torch.where(distant, gates, 0.0)[:, None]
+            if gate == "additive"
+            else torch.where(distant, s * gates[:, None], s)
+        )
+        dense = ref.weighted_values(ref.masked_softmax(s, ref.causal_mask(q_pos, k_pos)), v, q.dtype)
+    torch.testing.assert_close(fast, dense, atol=1e-12, rtol=1e-10)
+
+
+@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
+def test_soft_flex_values_and_gradients_with_folded_lambda(gate, eager_flex_backward):
+    """The learnable lambda reaches the score_mod only through the captured per-token vectors; eager FlexAttention's
+    backward then gives every gradient (q, k, v, hidden, w_g, centroids, lambda) equal to the dense reference's."""
+    module = build_attention("focus", FocusConfig(window=16, gate=gate, lambda_init=4.0), SPEC).double()
+    q, k, v, hidden = random_inputs(SPEC, 2, 300, torch.float64, 0)
+    pos = torch.arange(300)
+    results = {}
+    for impl in ("reference", "flex"):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v, hidden)]
+        module.zero_grad(set_to_none=True)
+        if impl == "reference":
+            module.impl = "reference"
+            out = module(*xs[:3], hidden=xs[3], positions=pos).output
+        else:
+            g_q, g_k = module.assignments(xs[3], None)
+            cfg = module.cfg
+            out = flex_soft_attention(
+                *xs[:3], g_q, g_k, module.lam, pos, window=cfg.window, scale=module._scale(), gate=cfg.gate
+            )
+        weights = torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)
+        (out * weights).sum().backward()
+        results[impl] = (out.detach(), [x.grad for x in xs], {n: p.grad for n, p in module.named_parameters()})
+    (ref_out, ref_grads, ref_pgrads), (out, grads, pgrads) = results["reference"], results["flex"]
+    torch.testing.assert_close(out, ref_out, atol=1e-12, rtol=0)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+    assert pgrads["lam"] is not None and pgrads["lam"].abs() > 0
+    for name, r in ref_pgrads.items():
+        torch.testing.assert_close(pgrads[name], r, atol=1e-10, rtol=0, msg=name)

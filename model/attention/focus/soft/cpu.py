@@ -5,7 +5,8 @@ x_ij = lam (g_i . g_j - 0.5) (additive: + log sigmoid(x) on the logit) or of x_i
 the logit times sigmoid(x)). The gate is a function of two per-token assignment vectors g [B, T, K] and is shared by
 every head, so a block of queries needs only its [B, Bq, Tk] gate, one small matmul away from g.
 
-``soft_attention`` goes over blocks of queries; a block reads only the keys up to its last query (its causal prefix):
+``cpu_soft_attention`` goes over blocks of queries; a block reads only the keys up to its last query (its causal
+prefix):
 - forward, additive: the block's gate (the window band 0, keys after a query -inf) is the float ``attn_mask`` of the
   fused CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``, broadcast over heads: cheaper than a
   per-head mask), which returns the output and the row logsumexp. Multiplicative: the gate multiplies the logits, which
@@ -250,7 +251,7 @@ def _backward(
 
 @torch.compiler.disable  # eager CPU kernels and a custom autograd.Function: dynamo cannot trace its saved
 # intermediates ("created inside a higher-order op"), and compiling brings nothing here
-def soft_attention(
+def cpu_soft_attention(
     q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, lam: Tensor, *, window: int, scale: float, gate: str
 ) -> Tensor:
     """Soft-gated causal attention of q [B, H, Tq, D] (the last Tq of the Tk positions) over k, v [B, Hkv, Tk, D];

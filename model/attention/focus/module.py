@@ -1,0 +1,427 @@
+"""``FocusAttention``, the Focus layer (the package docstring has the paper's summary and the paths).
+
+The module computes the assignments (group scores -> Sinkhorn or softmax, cached for decoding), dispatches each call
+to the dense reference (``naive``) or a fast path (``soft/``, ``hard/``), and adds the entropy penalty and the
+statistics the trainer logs; under context parallelism it gathers the group scores (``cp_context``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from model.attention.common import reference as ref
+from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
+from model.attention.common.flex import flex_supports
+from model.attention.focus import naive
+from model.attention.focus.config import FocusConfig, lambda_at
+from model.attention.focus.hard import decode_host as host_decode
+from model.attention.focus.hard import group_sparse
+from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
+from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus.hard.flex import flex_hard_attention
+from model.attention.focus.naive import hard_mask, membership_bits
+from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.focus.soft.cpu import cpu_soft_attention, soft_dtypes
+from model.attention.focus.soft.flex import flex_soft_attention
+
+STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
+STATS_BLOCK = 1 << 18  # (query row, key) pairs of the pair statistics computed at once
+
+
+class FocusAttention(Attention):
+    description = "Focus: Sinkhorn-balanced centroids, causal prefix scope (docs/focus.md)"
+    no_weight_decay = ("centroids",)
+    uses_reference_batch = True  # assignment stability is measured on a fixed batch
+
+    def __init__(self, cfg: FocusConfig, spec: LayerSpec):
+        super().__init__(cfg, spec)
+        self.d_group = cfg.d_group or spec.d_model
+        self.w_g = nn.Linear(spec.d_model, self.d_group, bias=False)
+        self.centroids = nn.Parameter(torch.empty(cfg.n_groups, self.d_group))
+        # shape [1], not 0-dim: FSDP2 cannot shard a scalar parameter (old 0-dim checkpoints load, see below)
+        lam = torch.full((1,), float(cfg.lambda_init))
+        if cfg.lambda_learnable:
+            self.lam = nn.Parameter(lam)
+        else:
+            self.register_buffer("lam", lam)  # scheduled: saved with the weights, set by the trainer
+        self.reference_batch = False  # set for the trainer's fixed-batch pass (stability only)
+        self.backbone_trains = False  # set_backbone_trains (the trainer); on its own a module is in the centroid phase
+        self._previous_groups: Tensor | None = None
+        self.reset_parameters()
+
+    @classmethod
+    def suite_cases(cls) -> list[SuiteCase]:
+        small = {"window": 8}  # the suite's sequences are ~40 tokens: gate most pairs
+        return [
+            SuiteCase("soft-prefix", small),
+            SuiteCase("soft-multiplicative", {**small, "gate": "multiplicative"}),
+            SuiteCase("soft-softmax", {**small, "assignment": "softmax"}),
+            SuiteCase("hard-k1", {**small, "mode": "hard"}),
+            SuiteCase("hard-k2", {**small, "mode": "hard", "top_k": 2}),
+            SuiteCase("soft-sequence", {**small, "sinkhorn_scope": "sequence"}, causal=False),
+            SuiteCase("hard-sequence", {**small, "mode": "hard", "sinkhorn_scope": "sequence"}, causal=False),
+        ]
+
+    def reset_parameters(self) -> None:
+        # Scores start at a few units (std ~3 at tau = 0.1): assignments confident but not one-hot,
+        # so the centroids get gradient from the start.
+        nn.init.normal_(self.w_g.weight, std=1.0 / math.sqrt(self.spec.d_model))
+        nn.init.normal_(self.centroids, std=0.3 / math.sqrt(self.d_group))
+        with torch.no_grad():
+            self.lam.fill_(float(self.cfg.lambda_init))
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args: Any, **kwargs: Any) -> None:
+        lam = state_dict.get(prefix + "lam")
+        if lam is not None and lam.dim() == 0:  # saved while lambda was a 0-dim tensor
+            state_dict[prefix + "lam"] = lam.reshape(1)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def set_backbone_trains(self, trains: bool) -> None:
+        self.backbone_trains = trains
+
+    def set_train_progress(self, step: int, max_steps: int) -> None:
+        if self.cfg.lambda_schedule != "constant":
+            with torch.no_grad():
+                self.lam.fill_(lambda_at(self.cfg, step, max_steps))
+
+    # ---- assignments ----------------------------------------------------------------
+    def group_scores(self, hidden: Tensor, cache: KVCache | None = None) -> Tensor:
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32  # at least float32
+        if cache is not None and hidden.shape[1] == 1 and not torch.is_grad_enabled():
+            # decoding: one map through (C W_g) / tau, folded once per cache (the weights do not change while one
+            # cache decodes), as a product and a sum (three operations; a batched matmul here takes seven)
+            return (hidden.to(dtype).unsqueeze(2) * self._fold(cache, dtype)).sum(-1)  # [B, 1, 1, d] x [K, d]
+        return (self.w_g(hidden).to(dtype) @ self.centroids.to(dtype).T) / self.cfg.tau
+
+    def _fold(self, cache: KVCache, dtype: torch.dtype) -> Tensor:
+        """(C W_g) / tau [K, d_model], folded once per cache (the weights do not change while one cache decodes)."""
+        fold = cache.extra.get("focus_fold")
+        if fold is None or fold.dtype != dtype:
+            fold = cache.extra["focus_fold"] = (self.centroids.to(dtype) @ self.w_g.weight.to(dtype)) / self.cfg.tau
+        return fold
+
+    def assignments(self, hidden: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        """(g of the new tokens [B, Tq, K], g of every key [B, Tk, K]), caching what decoding needs."""
+        host_decode.flush(cache)  # the tensors hold every token's state from here on
+        s = self.group_scores(hidden, cache)
+        if cache is None:
+            g = self.assign_whole(s)
+            return g, g
+        cfg = self.cfg
+        if cfg.assignment == "softmax" or cfg.sinkhorn_scope == "prefix":
+            if cfg.assignment == "softmax":
+                g = torch.softmax(s, dim=-1)
+            else:
+                g, state = sinkhorn_prefix(s, cfg.sinkhorn_iters, cache.extra.get("focus_sinkhorn") if cache else None)
+                if cache is not None:
+                    cache.extra["focus_sinkhorn"] = state
+            return g, self._cached(cache, "focus_g", g)
+        # sequence scope: every call renormalises over all tokens so far (earlier keys move too)
+        s_all = self._cached(cache, "focus_scores", s)
+        g_all = sinkhorn_sequence(s_all, cfg.sinkhorn_iters)
+        return g_all[:, -s.shape[1] :], g_all
+
+    def assign_whole(self, s: Tensor) -> Tensor:
+        """g [B, T, K] of every token of a whole sequence (no cache) from its group scores s [B, T, K]."""
+        cfg = self.cfg
+        if cfg.assignment == "softmax":
+            return torch.softmax(s, dim=-1)
+        if cfg.sinkhorn_scope == "prefix":
+            return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
+        return sinkhorn_sequence(s, cfg.sinkhorn_iters)
+
+    @staticmethod
+    def _cached(cache: KVCache | None, key: str, new: Tensor) -> Tensor:
+        """Write ``new`` (the last tokens' rows) into a per-cache buffer; return all rows so far."""
+        if cache is None:
+            return new
+        buf = cache.extra.get(key)
+        if buf is None:
+            buf = cache.extra[key] = new.new_empty(new.shape[0], cache.max_len, *new.shape[2:])
+        buf[:, cache.length - new.shape[1] : cache.length] = new
+        return buf[:, : cache.length]
+
+    # ---- paths ----------------------------------------------------------------------
+    def _scale(self) -> float:
+        return 1.0 / math.sqrt(self.spec.head_dim)
+
+    def reference(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
+        g_q, g_k = self.assignments(hidden, cache)
+        return self.reference_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def reference_assigned(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g_q: Tensor,
+        g_k: Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        if self.cfg.mode == "soft":
+            return self._out(self._soft_reference(q, k, v, g_q, g_k, q_pos, k_pos), g_q, g_k, q_pos, k_pos, cache)
+        bits_q, bits_k = self._memberships(g_q, g_k, cache)
+        out = naive.hard_attention(
+            q, k, v, bits_q, bits_k, q_pos=q_pos, k_pos=k_pos, window=self.cfg.window, scale=self._scale()
+        )
+        return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+
+    def _soft_reference(
+        self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
+        """The soft mode's dense reference (``naive.soft_attention``) with this layer's lambda and options."""
+        cfg = self.cfg
+        return naive.soft_attention(
+            q, k, v, g_q, g_k, self.lam, q_pos=q_pos, k_pos=k_pos, window=cfg.window, scale=self._scale(), gate=cfg.gate
+        )
+
+    def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
+        if self.cfg.mode == "hard":
+            return True  # the exact decomposition runs on any device
+        # the CPU blockwise path not while torch.compile traces (compile on CPU: the reference, as before it)
+        cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
+        return flex_supports(q) or (cpu and q.dtype in soft_dtypes())
+
+    def fast(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
+        if self._host_decodes(q, k, q_pos, cache):
+            assert cache is not None  # checked there
+            host = self._hard_decode_host(q, k, v, hidden=hidden, cache=cache)
+            if host is not None:
+                return host
+        g_q, g_k = self.assignments(hidden, cache)
+        return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def fast_assigned(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        g_q: Tensor,
+        g_k: Tensor,
+        *,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        if self.cfg.mode == "hard":
+            bits_q, bits_k = self._memberships(g_q, g_k, cache)
+            out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
+        elif flex_supports(q):
+            cfg = self.cfg
+            out = flex_soft_attention(
+                q, k, v, g_q, g_k, self.lam, q_pos, window=cfg.window, scale=self._scale(), gate=cfg.gate
+            )
+        else:
+            out = self.soft_cpu(q, k, v, g_q, g_k, q_pos, k_pos)
+        return self._out(out, g_q, g_k, q_pos, k_pos, cache)
+
+    # ---- context parallelism ----------------------------------------------------------
+    # A token's assignment reads the group scores of every token before it (prefix Sinkhorn: the cumulative
+    # group masses; sequence scope: all tokens), and the gate reads every key's assignment. Under CP each rank
+    # gathers the per-token group scores [B, T, K] (K floats a token, next to K and V's 2 Hkv D) and runs the
+    # Sinkhorn over the whole sequence once per layer: cheap (T K iterations), exact, and the gradient of the
+    # scores goes back to the rank that owns the token through the gather's reduce-scatter. Every rank runs it over
+    # the whole sequence, so its intermediates (10 iterations of [B, T, K], partly float64) would not shrink with
+    # cp: they are recomputed in the backward instead (non-reentrant checkpoint: the same values), and a rank keeps
+    # only the gathered scores and assignments.
+    def cp_context(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, gather: CPGather, positions: Tensor
+    ) -> Any:
+        scores = gather(self.group_scores(hidden), 1)
+        if torch.is_grad_enabled() and scores.requires_grad and not torch.compiler.is_compiling():
+            return checkpoint(self.assign_whole, scores, use_reentrant=False)
+        return self.assign_whole(scores)
+
+    def cp_attend(
+        self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, context: Any
+    ) -> AttnOut:
+        g_q, g_k = context[:, q_pos], context[:, : k.shape[2]]
+        if self.impl != "reference" and self.has_fast_path(q, None):
+            return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=None)
+        return self.reference_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=None)
+
+    def soft_cpu(
+        self, q: Tensor, k: Tensor, v: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor
+    ) -> Tensor:
+        """Soft mode on the CPU: the blockwise exact path (``soft/cpu.py``) when the queries are the last positions of
+        the keys (a sequence, a prefill chunk, a decode step), else the dense form."""
+        tq, tk = q.shape[2], k.shape[2]
+        ends_keys = int(q_pos[-1]) == tk - 1 and (tq == 1 or int(q_pos[0]) == tk - tq) and int(k_pos[0]) == 0
+        if not ends_keys:
+            return self._soft_reference(q, k, v, g_q, g_k, q_pos, k_pos)
+        cfg = self.cfg
+        return cpu_soft_attention(q, k, v, g_q, g_k, self.lam, window=cfg.window, scale=self._scale(), gate=cfg.gate)
+
+    def hard_fast(
+        self, q: Tensor, k: Tensor, v: Tensor, bits_q: Tensor, bits_k: Tensor, q_pos: Tensor, cache: KVCache | None
+    ) -> Tensor:
+        """The fastest exact hard-mode path for this call (see the package docstring)."""
+        cfg, scale = self.cfg, self._scale()
+        tq, tk = q.shape[2], k.shape[2]
+        lists = cache.extra.get("focus_lists") if cache is not None else None
+        if flex_supports(q) and not (tq == 1 and lists is not None and lists.length == tk):
+            # the GPU's training / prefill path: the queries are the last tq keys (the protocol), checked on the
+            # device: reading the positions on the host would synchronise every layer of every step
+            torch._assert_async(
+                (q_pos[-1] == tk - 1) & (q_pos[0] == tk - tq), "focus hard: positions must end the keys"
+            )
+            return flex_hard_attention(
+                q, k, v, bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups,
+                top_k=cfg.top_k, compiled=q.is_cuda,
+            )  # fmt: skip
+        # positions are contiguous aranges ending at the last key (one read when decoding)
+        ends_keys = int(q_pos[-1]) == tk - 1 and (tq == 1 or int(q_pos[0]) == tk - tq)
+        if ends_keys and tq == 1 and lists is not None and lists.length == tk:
+            decode = decode_hard_attention
+            if q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and not torch.is_grad_enabled():
+                decode = cpu_decode_hard_attention
+            return decode(q, k, v, bits_q=bits_q, bits_k=bits_k, lists=lists, window=cfg.window, scale=scale)
+        common = dict(bits_q=bits_q, bits_k=bits_k, window=cfg.window, scale=scale, n_groups=cfg.n_groups)
+        if ends_keys and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes():
+            return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
+        return group_sparse.hard_attention(q, k, v, q_pos=q_pos, **common)
+
+    def _host_decodes(self, q: Tensor, k: Tensor, q_pos: Tensor, cache: KVCache | None) -> bool:
+        """Whether this call is one CPU hard-mode decode step of plain inference (no autograd, no loss, statistics
+        or reference batch: nothing reads the assignments) after a prefill, whose assignment ``_hard_decode_host``
+        computes on host floats."""
+        cfg = self.cfg
+        if cache is None or q.shape[2] != 1 or cfg.mode != "hard" or cfg.assignment != "sinkhorn":
+            return False
+        if self.training or self.collect_stats or self.reference_batch:
+            return False
+        lists, tk = cache.extra.get("focus_lists"), k.shape[2]
+        if lists is None or lists.length != tk - 1 or cfg.sinkhorn_scope != "prefix" or torch.is_grad_enabled():
+            return False
+        state = host_decode.KEY in cache.extra or "focus_sinkhorn" in cache.extra
+        return state and q.device.type == "cpu" and q.dtype in cpu_kernel_dtypes() and int(q_pos[0]) == tk - 1
+
+    def _hard_decode_host(self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, cache: KVCache) -> AttnOut | None:
+        """One hard-mode decode step whose scores -> Sinkhorn -> top-k memberships run on host floats
+        (``focus_decode_host``), then ``cpu_decode_hard_attention``. Equal to ``assignments`` + ``_memberships`` +
+        ``hard_fast`` (the assignment rounded to its tensor dtype before the top-k, as there). None, with nothing
+        changed, where the tensor path must run (a non-finite score or mass, another dtype)."""
+        dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        host = cache.extra.get(host_decode.KEY)
+        if host is None:
+            state = cache.extra["focus_sinkhorn"]
+            if not host_decode.HostDecode.accepts(state, dtype):
+                return None
+            host = host_decode.HostDecode(state, start=cache.length - 1)
+        elif host.dtype != dtype:
+            return None
+        # [B][K]; one sequence as a matrix-vector product (the shortest call: F.linear cost 3x as long in situ)
+        fold, b_size = self._fold(cache, dtype), hidden.shape[0]
+        if b_size == 1:
+            scores = [torch.mv(fold, hidden.reshape(-1).to(dtype)).tolist()]
+        else:
+            scores = (hidden.reshape(b_size, -1).to(dtype) @ fold.T).tolist()
+        words = host.step(scores, self.cfg.top_k)
+        if words is None:
+            return None
+        if cache.extra.pop("focus_sinkhorn", None) is not None:  # the host holds the state from here on
+            cache.extra[host_decode.KEY] = host
+        lists: GroupLists = cache.extra["focus_lists"]
+        lists.append_words(words)
+        out = cpu_decode_hard_attention(
+            q, k, v, bits_q=None, words=words, bits_k=lambda: host.bits(cache), lists=lists, window=self.cfg.window,
+            scale=self._scale(),
+        )  # fmt: skip
+        return AttnOut(out)  # what ``_out`` returns in plain inference (``_host_decodes``)
+
+    def _memberships(self, g_q: Tensor, g_k: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
+        bits_q = membership_bits(g_q, self.cfg.top_k)
+        if self.cfg.sinkhorn_scope == "sequence" and self.cfg.assignment == "sinkhorn":
+            return bits_q, membership_bits(g_k, self.cfg.top_k)  # earlier keys were re-assigned
+        if cache is None and g_k is not g_q:  # context parallelism: the keys' assignments, gathered (cp_context)
+            return bits_q, membership_bits(g_k, self.cfg.top_k)
+        if cache is not None and self.cfg.mode == "hard":  # per-group member positions, for decoding
+            lists = cache.extra.get("focus_lists")
+            if lists is None:
+                lists = cache.extra["focus_lists"] = GroupLists(bits_q.shape[0], self.cfg.n_groups, bits_q.device)
+            lists.append(bits_q)
+        return bits_q, self._cached(cache, "focus_bits", bits_q)
+
+    # ---- auxiliary loss and statistics ------------------------------------------------
+    def _out(
+        self, output: Tensor, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> AttnOut:
+        aux = None
+        penalise = self.cfg.entropy == "always" or not self.backbone_trains  # the paper: centroid phase only
+        if self.training and self.cfg.entropy_weight > 0 and self.centroids.requires_grad and penalise:
+            aux = self.cfg.entropy_weight * self._entropy(g_q) / self.spec.n_layers  # summed by the model: the mean
+        if self.reference_batch:
+            return AttnOut(output, stats=self._stability(g_q))
+        if not self.collect_stats:
+            return AttnOut(output, aux_loss=aux)
+        entropy = self._entropy(g_q)
+        with torch.no_grad():
+            g = g_q.detach()
+            share = (
+                torch.bincount(g.argmax(-1).flatten(), minlength=self.cfg.n_groups).float() / g.shape[0] / g.shape[1]
+            )
+            stats = {
+                "max_group_share": share.max(),
+                "confidence": g.max(-1).values.mean(),
+                "entropy": entropy.detach(),
+                "imbalance": group_imbalance(g),
+                "lambda": self.lam.detach().float().sum(),  # a new tensor: FSDP2 frees the gathered parameter
+            }
+            stats.update(self._pair_stats(g, g_k.detach(), q_pos, k_pos, cache))
+        return AttnOut(output, aux_loss=aux, stats=stats)
+
+    @staticmethod
+    def _entropy(g: Tensor) -> Tensor:
+        """Mean assignment entropy (computed only when the loss or the statistics use it)."""
+        return -(g * torch.log(g.clamp_min(1e-30))).sum(-1).mean()
+
+    def _pair_stats(
+        self, g_q: Tensor, g_k: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
+    ) -> dict[str, Tensor]:
+        """Mean gate on distant pairs (soft) or the share of causal pairs kept (hard), on sampled query rows."""
+        rows = torch.arange(0, g_q.shape[1], max(1, g_q.shape[1] // STATS_ROWS), device=g_q.device)
+        g_q, q_pos = g_q[:, rows], q_pos[rows]
+        # sampled rows in blocks of at most STATS_BLOCK pairs: the [B, rows, Tk] temporaries would otherwise be a
+        # fixed cost the size of a layer's activations at long context (and not split by context parallelism)
+        step = max(1, STATS_BLOCK // max(1, k_pos.numel()))
+        total, count = torch.zeros((), dtype=torch.float64, device=g_q.device), 0
+        causal_count = torch.zeros((), dtype=torch.long, device=g_q.device)
+        for lo in range(0, q_pos.numel(), step):
+            gq, qp = g_q[:, lo : lo + step], q_pos[lo : lo + step]
+            causal = ref.causal_mask(qp, k_pos)
+            if self.cfg.mode == "hard":
+                bits_q, bits_k = membership_bits(gq, self.cfg.top_k), membership_bits(g_k, self.cfg.top_k)
+                total = total + hard_mask(bits_q, bits_k, qp, k_pos, self.cfg.window).sum()
+                causal_count = causal_count + causal.sum() * gq.shape[0]
+                continue
+            gate, distant = naive.gate_logits(gq, g_k, self.lam, qp, k_pos, window=self.cfg.window, gate=self.cfg.gate)
+            if self.cfg.gate == "additive":
+                gate = gate.exp()
+            pairs = distant & causal
+            total = total + gate[:, pairs].sum(dtype=torch.float64)
+            count += int(pairs.sum()) * gq.shape[0]
+        if self.cfg.mode == "hard":
+            return {"pairs_kept": (total / causal_count).to(torch.get_default_dtype())}
+        if not count:
+            return {}
+        return {"gate_distant": (total / count).to(g_q.dtype)}
+
+    def _stability(self, g: Tensor) -> dict[str, Tensor]:
+        """Share of the reference batch's tokens whose argmax group is the same as at the last pass."""
+        groups = g.detach().argmax(-1)
+        previous, self._previous_groups = self._previous_groups, groups
+        if previous is None or previous.shape != groups.shape:
+            return {}
+        return {"stability": (groups == previous).float().mean()}
