@@ -100,7 +100,7 @@ def streaming_row(tokenizer: Tokenizer, folder: str, batch: int, seq_len: int, s
     name = f"streaming: data.streaming.build_stream_loader, in-process ({batch} x {seq_len})"
     try:
         from data.streaming import StreamConfig, build_stream_loader
-    except Exception as exc:  # noqa: BLE001 - another engineer's module, possibly absent or half-written: skip
+    except Exception as exc:  # another engineer's module, possibly absent or half-written: skip
         return Row(
             name,
             None,
@@ -110,7 +110,7 @@ def streaming_row(tokenizer: Tokenizer, folder: str, batch: int, seq_len: int, s
         cfg = StreamConfig(source="local", path=folder, num_workers=0)
         batches = iter(build_stream_loader(cfg, tokenizer, seq_len=seq_len, batch_size=batch, num_workers=0))
         rate = timed(lambda: next(batches).shape[0] * seq_len, seconds)
-    except Exception as exc:  # noqa: BLE001 - an API that differs from the expected one is a skipped row
+    except Exception as exc:  # an API that differs from the expected one is a skipped row
         return Row(name, None, f"skipped: it did not run as expected ({exc.__class__.__name__}: {str(exc)[:80]})")
     return Row(name, rate, "tokenises on the fly, shuffle window 1024 documents")
 

@@ -309,7 +309,7 @@ def run_arm(job: dict) -> dict:
     run_dir = Path(job["run_dir"])
     run_dir.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"label": job["label"], "seed": job["seed"]}
-    log = open(run_dir / "reproduce.log", "w")  # noqa: SIM115 - closed below; the trainer prints progress
+    log = open(run_dir / "reproduce.log", "w")  # closed below; the trainer prints progress
     try:
         with contextlib.redirect_stdout(log), local_window_registered():
             result.update(_train_and_measure(job, run_dir))

@@ -105,7 +105,7 @@ class SplitWriter:
                 raise StaleProgress(f"{path.name} is shorter than its progress record")
             os.truncate(path, size)
         if self.record.shards and self.record.shards[-1].tokens < self.cap:
-            self._file = open(self.directory / self.record.shards[-1].file, "ab")  # noqa: SIM115 - as _current_shard
+            self._file = open(self.directory / self.record.shards[-1].file, "ab")  # as _current_shard
 
     def sync(self) -> None:
         """The open shard's bytes on disk (before a progress journal records them)."""
@@ -139,7 +139,7 @@ class SplitWriter:
         if self._file is None or shards[-1].tokens == self.cap:
             self._close_file()
             shards.append(ShardRecord(shard_name(self.split, len(shards))))
-            self._file = open(self.directory / shards[-1].file, "wb")  # noqa: SIM115 - held open across write() calls
+            self._file = open(self.directory / shards[-1].file, "wb")  # held open across write() calls
         return shards[-1]
 
     def _close_file(self) -> None:

@@ -28,7 +28,7 @@ from data.stream_resume import (
     token_counts,
 )
 from data.stream_sources import HUB_SOURCES, HubSource, SourceSpec
-from model.documents import document_mask, document_positions  # noqa: F401  (re-exported: the streams' doc ids feed them)
+from model.documents import document_mask, document_positions  # re-exported: the streams' doc ids feed them
 
 if TYPE_CHECKING:
     from data.tokenizer import Tokenizer

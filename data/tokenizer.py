@@ -125,7 +125,7 @@ class HFTokenizer(Tokenizer):
         data = self.path.read_bytes() if data is None else data
         try:
             self.tok = HFTok.from_str(data.decode("utf-8"))
-        except Exception as exc:  # noqa: BLE001 - the Rust side raises plain Exception for any parse error
+        except Exception as exc:  # the Rust side raises plain Exception for any parse error
             raise ConfigError(
                 f"data.tokenizer: {path} is not a valid tokenizer.json ({str(exc).splitlines()[0][:120]})"
             ) from None
@@ -175,7 +175,7 @@ class TiktokenTokenizer(Tokenizer):
         self.fingerprint = hashlib.sha256(data).hexdigest()
         try:
             ranks = load_tiktoken_bpe(str(self.path))
-        except Exception as exc:  # noqa: BLE001 - a malformed line raises ValueError / binascii.Error
+        except Exception as exc:  # a malformed line raises ValueError / binascii.Error
             raise ConfigError(
                 f"data.tokenizer: {path} is not a tiktoken ranks file ({exc.__class__.__name__})"
             ) from None
@@ -266,7 +266,7 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
         # instead of asking "run the custom code? [y/N]" at a terminal
         fast = AutoTokenizer.from_pretrained(str(path), local_files_only=True, trust_remote_code=False)
         data = fast.backend_tokenizer.to_str().encode("utf-8")
-    except Exception as exc:  # noqa: BLE001 - transformers raises many types for a folder it cannot read
+    except Exception as exc:  # transformers raises many types for a folder it cannot read
         reason = str(exc).strip().splitlines()[0][:160] if str(exc).strip() else type(exc).__name__
         raise ConfigError(
             f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file and transformers "

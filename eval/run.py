@@ -559,7 +559,7 @@ def _load_tokenizer(load_tokenizer: Callable[[Path], Tokenizer], path: Path, key
         return load_tokenizer(file)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - a damaged SentencePiece / tokenizer.json file
+    except Exception as exc:  # a damaged SentencePiece / tokenizer.json file
         raise ConfigError(f"{key}: {file} is damaged ({_first_line(exc)})") from None
 
 

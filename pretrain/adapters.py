@@ -126,7 +126,7 @@ def read_adapter(file: str | Path, *, key: str = "--adapter") -> Adapter:
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}
             tensors = {name: f.get_tensor(name) for name in f.keys()}
-    except Exception as exc:  # noqa: BLE001 - SafetensorError: not safetensors, truncated, a bad header
+    except Exception as exc:  # SafetensorError: not safetensors, truncated, a bad header
         raise ConfigError(f"{key}: {path} is not a readable safetensors file ({type(exc).__name__})") from None
     if meta.get("format") != FORMAT:
         found = f"format {meta['format']!r}" if "format" in meta else "no centroid-file metadata"

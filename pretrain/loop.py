@@ -196,7 +196,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             if not self.engine.is_main:
                 return
-            self._lock: IO[str] | None = open(self.run_dir / LOCK_FILE, "a+")  # noqa: SIM115  (held until exit)
+            self._lock: IO[str] | None = open(self.run_dir / LOCK_FILE, "a+")  # held until exit
         except OSError as exc:
             raise ConfigError(f"run.dir: cannot write {self.run_dir} ({exc.strerror})") from None
         try:

@@ -123,7 +123,7 @@ def verify_checkpoint(
         state = load_trainer_state(path)
     except ConfigError:
         raise
-    except Exception as exc:  # noqa: BLE001 - truncated zip, empty file, not a torch file ...
+    except Exception as exc:  # truncated zip, empty file, not a torch file ...
         raise ConfigError(f"{key}: {state_file} is damaged ({_why(exc)})") from None
     if not isinstance(state, dict) or "step" not in state or not isinstance(state.get("config"), str):
         raise ConfigError(f"{key}: {state_file} is not a trainer state (no step / config)")
@@ -140,7 +140,7 @@ def verify_checkpoint(
         try:
             with safe_open(str(weights), framework="pt") as f:
                 f.keys()
-        except Exception as exc:  # noqa: BLE001 - SafetensorError: empty, truncated, a bad header
+        except Exception as exc:  # SafetensorError: empty, truncated, a bad header
             raise ConfigError(f"{key}: {weights} is damaged ({_why(exc)})") from None
     elif not ((path / "dcp").is_dir() or (path / "ds").is_dir()):
         raise ConfigError(f"{key}: {path} holds no weights ({MODEL_FILE}, dcp/ or ds/)")
@@ -213,7 +213,7 @@ def _differing_fields(path: Path, model: nn.Module) -> str:
     ours = getattr(model, "cfg", None)
     try:
         theirs = run_config_from_dict(tomllib.loads(load_trainer_state(path)["config"])).model
-    except Exception:  # noqa: BLE001 - only a better message is lost: the tensor shapes already say it
+    except Exception:  # only a better message is lost: the tensor shapes already say it
         return ""
     if ours is None:
         return ""

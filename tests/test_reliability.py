@@ -241,7 +241,7 @@ def run_cli(argv: list[str], capsys) -> tuple[int, str]:
         code = module.main(argv[1:])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
-    except Exception as exc:  # noqa: BLE001 - the point of the table: this must not happen
+    except Exception as exc:  # the point of the table: this must not happen
         pytest.fail(f"{' '.join(argv)} raised {type(exc).__name__}: {exc} (a traceback, not one line)")
     return code, capsys.readouterr().err
 

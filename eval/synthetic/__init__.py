@@ -12,7 +12,7 @@ Runners take any object with ``encode(text)``, ``max_context`` and
 ``generate(prompt, max_new_tokens, *, stop=())`` (``eval.generation.TextGenerator`` or a test fake).
 """
 
-from eval.synthetic.common import *  # noqa: F401,F403
+from eval.synthetic.common import *  # noqa: F403
 from eval.synthetic.kv import kv_samples, run_kv_retrieval  # noqa: F401
 from eval.synthetic.needle import needle_samples, run_needle  # noqa: F401
 from eval.synthetic.rag import rag_samples, run_rag  # noqa: F401

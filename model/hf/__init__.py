@@ -25,9 +25,9 @@ holds the variant's settings; the variant's own tensors keep their names under t
 Every unsupported option is one ``ConfigError`` line naming it.
 """
 
-from model.hf.configs import *  # noqa: F401,F403
+from model.hf.configs import *  # noqa: F403
 from model.hf.configs import ARCHITECTURES, CUSTOM_WEIGHTS, VARIANT_KEY, Imported, load_hf_config, model_config_from_hf  # noqa: F401
-from model.hf.tensors import *  # noqa: F401,F403
+from model.hf.tensors import *  # noqa: F403
 from model.hf.tensors import (  # noqa: F401
     DTYPE_NAMES,
     DTYPES,

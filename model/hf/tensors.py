@@ -231,7 +231,7 @@ def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
         for file in files:
             try:
                 state.update(load(str(file)))
-            except Exception as exc:  # noqa: BLE001 - a truncated or foreign file: say which
+            except Exception as exc:  # a truncated or foreign file: say which
                 raise ConfigError(
                     f"hf: cannot read {file} ({type(exc).__name__}: {str(exc).splitlines()[0][:120]})"
                 ) from None

@@ -126,7 +126,7 @@ class DataParallelEngine(Engine):
                 if store.check([key]):
                     step, when = store.get(key).decode().split()
                     beats[rank] = (int(step), float(when))
-        except Exception:  # noqa: BLE001 - the store itself may be gone with the launcher
+        except Exception:  # the store itself may be gone with the launcher
             return None
         if self.rank not in beats:
             return None

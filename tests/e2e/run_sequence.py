@@ -46,7 +46,7 @@ def main(spec_path: str) -> int:
         try:
             _train(args)
             status[name] = "ok"
-        except Exception as exc:  # noqa: BLE001  (named in the status; the next run still runs)
+        except Exception as exc:  # named in the status; the next run still runs
             last = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
             status[name] = f"{type(exc).__name__}: {last}"
             traceback.print_exc()

@@ -19,8 +19,8 @@ from tests.interop.conftest import SMALL, our_checkpoint
 
 pytest.importorskip("lm_eval")
 
-from eval.harness import TASK_DIR, FocusedLM, evaluate  # noqa: E402
-from run.config import resolve_data_dir  # noqa: E402
+from eval.harness import TASK_DIR, FocusedLM, evaluate
+from run.config import resolve_data_dir
 
 
 @pytest.fixture(scope="module")
