@@ -2,18 +2,22 @@
 
 The GPU machines run a fixed image (torch 2.11, Python 3.12) while the pinned CPU build is newer; a symbol that a
 later torch added or renamed is imported here, once, with the older spelling as the fallback, so that every module
-imports on both. ``POST_2_11`` names each guarded symbol (module, attribute): tests/test_torch_compat.py
-imports every package with each of them removed from torch.
+imports on both. ``POST_2_11`` names each guarded symbol (module, attribute): tests/test_torch_compat.py imports
+every package with each of them removed from torch.
 """
 
 from __future__ import annotations
 
-try:  # torch >= 2.12: the autograd all-gather under its current name
-    from torch.distributed._functional_collectives import all_gather_single_autograd
-except ImportError:  # torch 2.11: the same collective (all_gather_single with a backward of reduce_scatter)
-    from torch.distributed._functional_collectives import (  # type: ignore[no-redef]  # older name, same signature
-        all_gather_tensor_autograd as all_gather_single_autograd,
-    )
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed import _functional_collectives as _fc
+
+# torch >= 2.12 names the autograd all-gather all_gather_single_autograd; torch 2.11 has the same collective (an
+# all_gather_single whose backward is a reduce_scatter) as all_gather_tensor_autograd
+all_gather_single_autograd: Callable[..., Any] = (
+    getattr(_fc, "all_gather_single_autograd", None) or _fc.all_gather_tensor_autograd
+)
 
 POST_2_11: tuple[tuple[str, str], ...] = (("torch.distributed._functional_collectives", "all_gather_single_autograd"),)
 
