@@ -56,7 +56,7 @@ def logcumsumexp(x: Tensor, dim: int) -> Tensor:
     (or a non-finite x) take ``torch.logcumsumexp``, so a position's value never depends on later ones. Under
     ``torch.compile`` the library op too: that check reads a flag on the host (a graph break)."""
     if x.device.type != "cpu" or x.dtype == torch.float64 or torch.compiler.is_compiling():
-        return torch.logcumsumexp(x, dim)
+        return scan_last(x, dim)
     wide = x.double()
     out = torch.log(torch.cumsum(torch.exp(wide), dim)).to(x.dtype)
     bad = ~(wide.abs() <= EXP_RANGE)
@@ -64,6 +64,16 @@ def logcumsumexp(x: Tensor, dim: int) -> Tensor:
         after = torch.cummax(bad.to(torch.uint8), dim).values.bool()
         out = torch.where(after, torch.logcumsumexp(x, dim), out)
     return out
+
+
+def scan_last(x: Tensor, dim: int) -> Tensor:
+    """``torch.logcumsumexp(x, dim)`` computed along the last dimension. CUDA scans a non-last dimension with one
+    thread per column walking every position in order (a [B, T, K] prefix over T: B x K threads, T serial steps, the
+    Focus forward's cost linear in T on the first GPU run); along the last dimension each row is a parallel scan."""
+    last = x.dim() - 1
+    if dim % x.dim() == last:
+        return torch.logcumsumexp(x, dim)
+    return torch.logcumsumexp(x.movedim(dim, -1).contiguous(), -1).movedim(-1, dim)
 
 
 def _sinkhorn_token(scores: Tensor, iters: int, state: Tensor) -> tuple[Tensor, Tensor]:

@@ -13,6 +13,7 @@ from model.attention.focus.hard.decode_host import HostDecode
 from model.attention.focus.sinkhorn import (
     group_imbalance,
     logcumsumexp,
+    scan_last,
     sinkhorn_prefix,
     sinkhorn_sequence,
     sinkhorn_token_host,
@@ -106,3 +107,34 @@ def test_host_token_sinkhorn_equals_the_tensor_prefix_sinkhorn():
     assert HostDecode.accepts(state, torch.float64) and not HostDecode.accepts(state.float(), torch.float64)
     state[1, 4, 2] = math.nan
     assert not HostDecode.accepts(state, torch.float64)
+
+
+def test_the_device_scan_runs_along_the_last_dimension(monkeypatch):
+    """Off the CPU (here the meta device stands for CUDA) the prefix scan over tokens is computed along the last
+    dimension: CUDA scans any other dimension serially per column (issue 37, item 2)."""
+    dims = []
+    real = torch.logcumsumexp
+
+    def recording(x, dim):
+        dims.append((dim % x.dim(), x.dim()))
+        return real(x, dim)
+
+    monkeypatch.setattr(torch, "logcumsumexp", recording)
+    assign, state = sinkhorn_prefix(torch.randn(2, 300, 8, device="meta"), iters=3)
+    assert assign.shape == (2, 300, 8) and state.shape == (2, 3, 8)
+    assert dims and all(dim == ndim - 1 for dim, ndim in dims), dims
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_last_dimension_scan_equals_the_library_scan(dtype):
+    """Values and gradients of ``scan_last`` over dimension 1 against ``torch.logcumsumexp`` in float64."""
+    x = torch.randn(2, 257, 5, dtype=dtype, requires_grad=True)
+    got = scan_last(x, 1)
+    wide = x.detach().double().requires_grad_()
+    want = torch.logcumsumexp(wide, 1)
+    weights = torch.randn_like(want)
+    (gx,) = torch.autograd.grad((got * weights.to(dtype)).sum(), x)
+    (wx,) = torch.autograd.grad((want * weights).sum(), wide)
+    tol = 1e-12 if dtype == torch.float64 else 2e-5
+    torch.testing.assert_close(got.double(), want.detach(), atol=tol, rtol=tol)
+    torch.testing.assert_close(gx.double(), wx, atol=tol, rtol=tol)
