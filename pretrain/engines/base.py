@@ -21,6 +21,7 @@ from core.device import autocast_dtype
 from model.attention.common.context_parallel import ContextParallel, shard_batch
 from model.transformer import Transformer
 from pretrain.optim import build_optimizer, build_scheduler
+from run.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from run.config import TrainConfig
@@ -48,16 +49,9 @@ class Engine:
     name = ""
     rank = 0
     world_size = 1
-
-    # Data-parallel engines average gradients over ranks; the loss is scaled up by this so the
-    # update is the gradient of (global token loss sum / global target tokens) on every engine.
-    grad_average_ranks = 1
-    # the data-parallel rank and size: the loader's index (train.parallel: the TP / CP ranks of a replica share it)
-    data_rank = 0
-    data_world_size = 1
-    # tensor-parallel degree: a variant's aux loss is computed alike on every TP rank and its gradients summed
-    # over them, so each rank adds 1 / tp of it
-    tp_size = 1
+    # the processes' layout (dp_replicate x dp_shard x cp x tp): one process unless a data-parallel engine sets it;
+    # every degree, rank and product below is read off it
+    layout = ParallelLayout()
     # context parallelism: this rank's CP group (set by ``parallelize``); None = every rank takes whole sequences.
     # Every CP rank of a replica loads the same windows and keeps its chunks of them (``local_batch``).
     context_parallel: ContextParallel | None = None
@@ -110,9 +104,30 @@ class Engine:
         return contextlib.nullcontext()
 
     @property
+    def grad_average_ranks(self) -> int:
+        """Data-parallel engines average gradients over ranks (FSDP2 over ``dp x cp``); the loss is scaled up by this
+        so the update is the gradient of (global token loss sum / global target tokens) on every engine."""
+        return self.layout.dp_cp
+
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel rank: the loader's index (the TP / CP ranks of a replica share it)."""
+        return self.layout.coordinates(self.rank).dp
+
+    @property
+    def data_world_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_size(self) -> int:
+        """A variant's aux loss is computed alike on every TP rank and its gradients summed over them, so each rank
+        adds 1 / tp of it."""
+        return self.layout.tp
+
+    @property
     def cp_size(self) -> int:
         """The context-parallel degree: a micro-batch's targets are split over this many ranks."""
-        return 1 if self.context_parallel is None else self.context_parallel.size
+        return self.layout.cp
 
     def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's share of a micro-batch's [B, T] inputs and targets: all of it, or under context parallelism

@@ -26,7 +26,7 @@ from core.device import resolve_device
 from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
-from run.parallel import data_parallel_size
+from run.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -42,13 +42,14 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 def init_process_group(cfg: TrainConfig) -> torch.device:
-    """Join the launcher's process group (idempotent) and return this rank's device."""
+    """Join the launcher's process group (idempotent) and return this rank's device. The layout is not checked here:
+    ``pretrain.train`` checks it against ``WORLD_SIZE`` before (``run.parallel.check_world``), and the engine derives
+    it (``ParallelLayout.of``, the same line for an impossible one) before its first collective."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError(
             f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); "
             "RANK/WORLD_SIZE are not set"
         )
-    data_parallel_size(cfg, int(os.environ["WORLD_SIZE"]))  # an impossible layout stops before any process waits
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -79,8 +80,7 @@ class DataParallelEngine(Engine):
         if not dist.is_initialized():
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.grad_average_ranks = self.world_size
-        self.data_rank, self.data_world_size = self.rank, self.world_size
+        self.layout = ParallelLayout.of(cfg, self.world_size)  # (checked before the process group, pretrain.train)
         self.data_group: dist.ProcessGroup | None = None  # None: every rank holds its own data (no model parallelism)
         super().__init__(model, cfg, device)
 
@@ -255,17 +255,12 @@ class FSDP2Engine(DataParallelEngine):
     def parallelize(self, model: Transformer) -> None:
         from pretrain.engines.parallel_dims import ParallelDims
 
-        self.dims = dims = ParallelDims.from_config(self.cfg, self.world_size)
-        dims.build_mesh(self.device.type)
-        self.data_rank, self.data_world_size = dims.data_rank(), dims.dp
-        # FSDP2 averages gradients over its mesh (dp x cp); TP gradients are whole on each rank
-        self.grad_average_ranks = dims.dp * dims.cp
+        self.dims = dims = ParallelDims.build(self.layout, self.device.type)
         tp_mesh = dims.tp_mesh()
         if tp_mesh is not None:
             from pretrain.engines.tensor_parallel import apply_tp
 
             self.data_group = dims.data_group()
-            self.tp_size = dims.tp
             apply_tp(model, tp_mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
         cp_mesh = dims.cp_mesh()
         if cp_mesh is not None:  # after TP (the cores see their local heads), before AC, compile and the FSDP2 wrap
