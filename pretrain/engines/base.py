@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from core.device import autocast_dtype
 from model.attention.common.context_parallel import ContextParallel, shard_batch
 from model.transformer import Transformer
+from pretrain.engines.parallelize import parallelize
 from pretrain.optim import build_optimizer, build_scheduler
 from run.parallel import ParallelLayout
 
@@ -33,16 +34,6 @@ class MicroStepOut:
     n_tokens: int
     aux_loss: Tensor | None = None  # detached
     stats: dict[str, Tensor] = field(default_factory=dict)
-
-
-def prepare_blocks(model: Transformer, cfg: TrainConfig) -> None:
-    """Activation checkpointing and torch.compile, both per transformer block, before any
-    wrapping: compiling in place keeps parameter names (checkpoints stay engine-independent)
-    and FSDP2 then shards compiled blocks, as torchtitan does."""
-    model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.compile:
-        for block in model.blocks:
-            block.compile()
 
 
 class Engine:
@@ -62,9 +53,10 @@ class Engine:
         self.device = device
         self.raw_model = model
         self.amp_dtype = self.autocast_dtype()
-        self.parallelize(model)  # tensor / context parallel first, then AC and compile, then the data-parallel wrap
-        prepare_blocks(model, cfg)
-        self.wrapped = self.wrap(model)  # DDP / FSDP2 wrapping happens before the optimizer sees the parameters
+        # TP, CP, activation checkpointing, compile, then the data-parallel wrap, before the optimizer sees the
+        # parameters (pretrain.engines.parallelize)
+        self.wrapped = self.parallelize(model)
+        self.context_parallel = model.context_parallel
         self.model: nn.Module = self.wrapped
         self.optimizer, self.scheduler = self.make_optimizer(model)
 
@@ -73,12 +65,10 @@ class Engine:
         """The forward's autocast dtype; None = none (full fp32, or the engine casts itself)."""
         return autocast_dtype(self.cfg.precision, self.device)
 
-    def parallelize(self, model: Transformer) -> None:
-        """Model parallelism (train.parallel) applied in place before anything else; none by default."""
-
-    def wrap(self, model: Transformer) -> nn.Module:
-        """The module the forward runs through (DDP, FSDP2 ...); the raw model by default."""
-        return model
+    def parallelize(self, model: Transformer) -> nn.Module:
+        """The module the forward runs through: ``parallelize`` with what this engine applies (by default activation
+        checkpointing and compile only, no wrap)."""
+        return parallelize(model, self.cfg)
 
     def make_optimizer(self, model: Transformer) -> tuple[Any, Any]:
         """(optimizer, LR scheduler) over the (wrapped) model's parameters."""
