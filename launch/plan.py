@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 from core import configlib
 from core.errors import ConfigError, OneLineParser
 from core.files import atomic_write_text
+from run.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from torch import nn
@@ -55,39 +56,6 @@ def parse_bytes(text: str, key: str = "--gpu-memory") -> int:
     if value <= 0:
         raise ConfigError(f"{key}: must be > 0, got {text!r}")
     return value
-
-
-# ---- the layout -------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    dp_replicate: int
-    dp_shard: int
-    cp: int
-    tp: int
-    ac: str = "none"
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def shard(self) -> int:
-        """The ranks FSDP2 shards a parameter over: ``dp_shard x cp``."""
-        return self.dp_shard * self.cp
-
-    @property
-    def world(self) -> int:
-        return self.dp * self.cp * self.tp
-
-    def coordinates(self, rank: int) -> tuple[int, int]:
-        """(tp rank, rank in ``dp_shard x cp``) of a global rank: the mesh is (dp_replicate, dp_shard, cp, tp),
-        tp innermost (``parallel_dims.MESH_DIMS``)."""
-        return rank % self.tp, (rank // self.tp) % self.shard
-
-    def label(self) -> str:
-        return f"{self.dp_replicate}x{self.dp_shard}x{self.cp}x{self.tp}"
 
 
 def _chunk(size: int, parts: int, index: int) -> int:
@@ -125,20 +93,22 @@ def param_table(model: Transformer) -> tuple[ParamInfo, ...]:
     )
 
 
-def state_bytes(model: Transformer, layout: Layout, tp_rank: int = 0, shard_rank: int = 0) -> StateBytes:
+def state_bytes(model: Transformer, layout: ParallelLayout, tp_rank: int = 0, shard_rank: int = 0) -> StateBytes:
     """One rank's sharded state (exact): see the module docstring."""
     return table_state_bytes(param_table(model), layout, tp_rank, shard_rank)
 
 
-def table_state_bytes(table: tuple[ParamInfo, ...], layout: Layout, tp_rank: int, shard_rank: int) -> StateBytes:
+def table_state_bytes(
+    table: tuple[ParamInfo, ...], layout: ParallelLayout, tp_rank: int, shard_rank: int
+) -> StateBytes:
     params = grads = optim = unsharded = 0
     for p in table:
         local = list(p.shape)
         if p.tp_dim is not None and layout.tp > 1:
             local[p.tp_dim] = _chunk(local[p.tp_dim], layout.tp, tp_rank)
         rest = math.prod(local[1:])
-        padded_rows = math.ceil(local[0] / layout.shard)
-        rows = _chunk(local[0], layout.shard, shard_rank)
+        padded_rows = math.ceil(local[0] / layout.dp_shard_cp)
+        rows = _chunk(local[0], layout.dp_shard_cp, shard_rank)
         size = p.element_size
         params += padded_rows * rest * size
         if p.requires_grad:
@@ -148,7 +118,7 @@ def table_state_bytes(table: tuple[ParamInfo, ...], layout: Layout, tp_rank: int
     return StateBytes(params, grads, optim, unsharded)
 
 
-def max_state_bytes(model: Transformer, layout: Layout) -> StateBytes:
+def max_state_bytes(model: Transformer, layout: ParallelLayout) -> StateBytes:
     """The largest rank's (shard rank 0 holds the largest unpadded chunks; every TP rank is looked at)."""
     states = [state_bytes(model, layout, t, 0) for t in range(layout.tp)]
     return max(states, key=lambda s: s.parameters + s.gradients + s.optimizer)
@@ -237,7 +207,7 @@ def activation_bytes(
 # ---- working memory (estimated) ---------------------------------------------------------------
 
 
-def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: int, accumulation: int) -> int:
+def working_bytes(model: Transformer, layout: ParallelLayout, *, micro: int, seq_len: int, accumulation: int) -> int:
     """FSDP2's gathered bf16 parameters (two blocks in flight, and the root's embeddings and head, which stay
     gathered from the forward to the backward), one block's unsharded gradients (bf16, then float32 for the
     reduce-scatter), the logits' transients (bf16 logits, their float32 copy's gradient) and ``accumulation``: the
@@ -262,7 +232,8 @@ def working_bytes(model: Transformer, layout: Layout, *, micro: int, seq_len: in
 
 @dataclass(frozen=True)
 class Estimate:
-    layout: Layout
+    layout: ParallelLayout
+    ac: str  # activation checkpointing: none | selective | full
     micro: int
     state: StateBytes
     activations: int
@@ -282,7 +253,7 @@ class Estimate:
         return self.margin >= 0
 
     def rank_key(self) -> tuple[int, int, int]:
-        return (self.layout.cp * self.layout.tp, AC_MODES.index(self.layout.ac), -self.margin)
+        return (self.layout.model_parallel, AC_MODES.index(self.ac), -self.margin)
 
 
 def meta_model(cfg: RunConfig) -> Transformer:
@@ -299,31 +270,21 @@ def meta_model(cfg: RunConfig) -> Transformer:
     return model
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def candidates(cfg: RunConfig, gpus: int, gpus_per_node: int) -> list[tuple[Layout, int]]:
-    """Every (layout, micro-batch) the config can take on ``gpus`` devices (``tp`` within a node), AC mode "none"."""
-    from run.parallel import check_layout, data_parallel_size
+def candidates(cfg: RunConfig, gpus: int, gpus_per_node: int) -> list[tuple[ParallelLayout, int]]:
+    """Every (layout, micro-batch) the config can take on ``gpus`` devices (``tp`` within a node): the layouts that
+    pass the run's own checks (``check_layout``, ``check_world``)."""
+    from run.parallel import check_layout, check_world
 
     out = []
-    for tp in _divisors(gpus):
-        if tp > gpus_per_node:
+    for cp, tp in ParallelLayout.model_parallel_degrees(gpus, max_tp=gpus_per_node):
+        train = replace(cfg.train, compile=cfg.train.compile and tp == cp == 1)
+        train = replace(train, parallel=replace(cfg.train.parallel, tp=tp, cp=cp))
+        try:
+            check_layout(train, cfg.model, cfg.data.seq_len)
+            layout = check_world(train, gpus)
+        except ConfigError:
             continue
-        for cp in _divisors(gpus // tp):
-            train = replace(cfg.train, compile=cfg.train.compile and tp == cp == 1)
-            train = replace(train, parallel=replace(cfg.train.parallel, tp=tp, cp=cp))
-            try:
-                check_layout(train, cfg.model, cfg.data.seq_len)
-                dp = data_parallel_size(train, gpus)
-            except ConfigError:
-                continue
-            micro = cfg.train.micro_batch_size or cfg.train.batch_size // dp
-            if micro < 1 or cfg.train.batch_size % (micro * dp):
-                continue
-            replicate = train.options("fsdp2").replicate if train.engine == "fsdp2" else 1
-            out.append((Layout(replicate, dp // replicate, cp, tp), micro))
+        out.append((layout, cfg.train.micro_batch_size or cfg.train.batch_size // layout.dp))
     return out
 
 
@@ -348,7 +309,7 @@ def plan(cfg: RunConfig, gpus: int, memory: int, *, gpus_per_node: int = 8, rese
                 dtype_bytes=dtype_bytes,
                 sequence_parallel=cfg.train.parallel.sequence_parallel,
             )
-            out.append(Estimate(replace(layout, ac=ac), micro, state, act.total, working, capacity))
+            out.append(Estimate(layout, ac, micro, state, act.total, working, capacity))
     return out
 
 
@@ -380,7 +341,7 @@ def report(estimates: list[Estimate], chosen: Estimate | None, cfg: RunConfig, g
         s = e.state
         mark = " <- picked" if e is chosen else ""
         lines.append(
-            f"{e.layout.label():>12} {e.layout.ac:>9} {e.micro:>5} {_gib(s.parameters)} {_gib(s.gradients)} "
+            f"{e.layout.label():>12} {e.ac:>9} {e.micro:>5} {_gib(s.parameters)} {_gib(s.gradients)} "
             f"{_gib(s.optimizer)} {_gib(e.activations)} {_gib(e.working)} {_gib(e.total)}  "
             f"{'yes' if e.fits else 'no '}{mark}"
         )
@@ -391,7 +352,7 @@ def report(estimates: list[Estimate], chosen: Estimate | None, cfg: RunConfig, g
         lines.append(
             f"picked {lay.label()} (dp_replicate {lay.dp_replicate}, dp_shard {lay.dp_shard}, cp {lay.cp}, "
             f"tp {lay.tp}), "
-            f"activation checkpointing {lay.ac}, micro-batch {chosen.micro}: {chosen.total / GIB:.2f} GiB of "
+            f"activation checkpointing {chosen.ac}, micro-batch {chosen.micro}: {chosen.total / GIB:.2f} GiB of "
             f"{chosen.capacity / GIB:.2f} usable ({chosen.margin / GIB:.2f} GiB margin); the rule: the least model "
             "parallelism (cp x tp), then the least recomputation, then the largest margin"
         )
@@ -413,9 +374,9 @@ def emitted_config(raw: dict, chosen: Estimate) -> dict:
     lay = chosen.layout
     train = raw.setdefault("train", {})
     train["engine"] = "fsdp2"
-    train["activation_checkpointing"] = lay.ac
+    train["activation_checkpointing"] = chosen.ac
     train.setdefault("fsdp2", {})["replicate"] = lay.dp_replicate
-    if lay.tp > 1 or lay.cp > 1:
+    if lay.model_parallel > 1:
         train["compile"] = False  # not supported with tp / cp > 1 yet (run.parallel.check_layout)
         train.setdefault("parallel", {}).update(tp=lay.tp, cp=lay.cp)  # the config's sequence_parallel stays
     else:

@@ -14,7 +14,7 @@ import torch
 
 from core.device import resolve_device
 from model.transformer import Transformer
-from pretrain.engines.base import Engine, MicroStepOut, prepare_blocks
+from pretrain.engines.base import Engine, MicroStepOut
 from pretrain.engines.deepspeed import DeepSpeedEngine
 from pretrain.engines.parallel import DDPEngine, FSDP2Engine, init_process_group
 from pretrain.engines.single import SingleEngine
@@ -23,7 +23,7 @@ from run.engines import ENGINE_SPECS, EngineSpec, register_engine_spec
 if TYPE_CHECKING:
     from run.config import TrainConfig
 
-__all__ = ["ENGINES", "Engine", "MicroStepOut", "build_engine", "prepare_blocks", "register_engine"]
+__all__ = ["ENGINES", "Engine", "MicroStepOut", "build_engine", "register_engine"]
 
 ENGINES: dict[str, type[Engine]] = {}
 

@@ -20,7 +20,9 @@ from torch import Tensor, nn
 from core.device import autocast_dtype
 from model.attention.common.context_parallel import ContextParallel, shard_batch
 from model.transformer import Transformer
+from pretrain.engines.parallelize import parallelize
 from pretrain.optim import build_optimizer, build_scheduler
+from run.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from run.config import TrainConfig
@@ -34,30 +36,13 @@ class MicroStepOut:
     stats: dict[str, Tensor] = field(default_factory=dict)
 
 
-def prepare_blocks(model: Transformer, cfg: TrainConfig) -> None:
-    """Activation checkpointing and torch.compile, both per transformer block, before any
-    wrapping: compiling in place keeps parameter names (checkpoints stay engine-independent)
-    and FSDP2 then shards compiled blocks, as torchtitan does."""
-    model.activation_checkpointing = cfg.activation_checkpointing
-    if cfg.compile:
-        for block in model.blocks:
-            block.compile()
-
-
 class Engine:
     name = ""
     rank = 0
     world_size = 1
-
-    # Data-parallel engines average gradients over ranks; the loss is scaled up by this so the
-    # update is the gradient of (global token loss sum / global target tokens) on every engine.
-    grad_average_ranks = 1
-    # the data-parallel rank and size: the loader's index (train.parallel: the TP / CP ranks of a replica share it)
-    data_rank = 0
-    data_world_size = 1
-    # tensor-parallel degree: a variant's aux loss is computed alike on every TP rank and its gradients summed
-    # over them, so each rank adds 1 / tp of it
-    tp_size = 1
+    # the processes' layout (dp_replicate x dp_shard x cp x tp): one process unless a data-parallel engine sets it;
+    # every degree, rank and product below is read off it
+    layout = ParallelLayout()
     # context parallelism: this rank's CP group (set by ``parallelize``); None = every rank takes whole sequences.
     # Every CP rank of a replica loads the same windows and keeps its chunks of them (``local_batch``).
     context_parallel: ContextParallel | None = None
@@ -68,9 +53,10 @@ class Engine:
         self.device = device
         self.raw_model = model
         self.amp_dtype = self.autocast_dtype()
-        self.parallelize(model)  # tensor / context parallel first, then AC and compile, then the data-parallel wrap
-        prepare_blocks(model, cfg)
-        self.wrapped = self.wrap(model)  # DDP / FSDP2 wrapping happens before the optimizer sees the parameters
+        # TP, CP, activation checkpointing, compile, then the data-parallel wrap, before the optimizer sees the
+        # parameters (pretrain.engines.parallelize)
+        self.wrapped = self.parallelize(model)
+        self.context_parallel = model.context_parallel
         self.model: nn.Module = self.wrapped
         self.optimizer, self.scheduler = self.make_optimizer(model)
 
@@ -79,12 +65,10 @@ class Engine:
         """The forward's autocast dtype; None = none (full fp32, or the engine casts itself)."""
         return autocast_dtype(self.cfg.precision, self.device)
 
-    def parallelize(self, model: Transformer) -> None:
-        """Model parallelism (train.parallel) applied in place before anything else; none by default."""
-
-    def wrap(self, model: Transformer) -> nn.Module:
-        """The module the forward runs through (DDP, FSDP2 ...); the raw model by default."""
-        return model
+    def parallelize(self, model: Transformer) -> nn.Module:
+        """The module the forward runs through: ``parallelize`` with what this engine applies (by default activation
+        checkpointing and compile only, no wrap)."""
+        return parallelize(model, self.cfg)
 
     def make_optimizer(self, model: Transformer) -> tuple[Any, Any]:
         """(optimizer, LR scheduler) over the (wrapped) model's parameters."""
@@ -110,9 +94,30 @@ class Engine:
         return contextlib.nullcontext()
 
     @property
+    def grad_average_ranks(self) -> int:
+        """Data-parallel engines average gradients over ranks (FSDP2 over ``dp x cp``); the loss is scaled up by this
+        so the update is the gradient of (global token loss sum / global target tokens) on every engine."""
+        return self.layout.dp_cp
+
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel rank: the loader's index (the TP / CP ranks of a replica share it)."""
+        return self.layout.coordinates(self.rank).dp
+
+    @property
+    def data_world_size(self) -> int:
+        return self.layout.dp
+
+    @property
+    def tp_size(self) -> int:
+        """A variant's aux loss is computed alike on every TP rank and its gradients summed over them, so each rank
+        adds 1 / tp of it."""
+        return self.layout.tp
+
+    @property
     def cp_size(self) -> int:
         """The context-parallel degree: a micro-batch's targets are split over this many ranks."""
-        return 1 if self.context_parallel is None else self.context_parallel.size
+        return self.layout.cp
 
     def local_batch(self, inputs: Tensor, targets: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's share of a micro-batch's [B, T] inputs and targets: all of it, or under context parallelism

@@ -23,6 +23,7 @@ from torch import Tensor
 from core.errors import ConfigError
 from pretrain.engines.base import MicroStepOut
 from pretrain.engines.parallel import SCHEDULER_FILE, DataParallelEngine, check_written_by
+from pretrain.engines.parallelize import parallelize
 
 if TYPE_CHECKING:
     from model.transformer import Transformer
@@ -74,18 +75,22 @@ class DeepSpeedEngine(DataParallelEngine):
     def autocast_dtype(self) -> torch.dtype | None:
         return None  # DeepSpeed casts the model itself when bf16 is on
 
-    def wrap(self, model: Transformer) -> torch.nn.Module:
-        """ZeRO-3 gathers a module's partitioned parameters for its backward through hooks on the tensors its forward
+    def parallelize(self, model: Transformer) -> torch.nn.Module:
+        """Activation checkpointing through ``parallelize`` (compile is refused above, TP / CP by the config check); the
+        wrap is ``deepspeed.initialize``, with the optimizer (``make_optimizer``).
+
+        ZeRO-3 gathers a module's partitioned parameters for its backward through hooks on the tensors its forward
         returns. An attention core returns an ``AttnOut``, which DeepSpeed does not look into, so the core's own
         parameters (Focus's centroids and lambda, focal's and Lazy's temperatures and biases) would still be
         partitioned (empty) when their gradients are computed: the block, which returns a tensor, gathers them."""
+        wrapped = parallelize(model, self.cfg)  # no data-parallel wrap: the model itself
         if self.cfg.options("deepspeed").zero_stage == 3:
             from deepspeed.runtime.zero.partition_parameters import register_external_parameter
 
             for block in model.blocks:
                 for param in block.attn.core.parameters(recurse=False):
                     register_external_parameter(block, param)
-        return model
+        return wrapped
 
     def make_optimizer(self, model: Transformer) -> tuple[Any, Any]:
         """DeepSpeed wraps model and optimizer together: the wrapped module is set here."""

@@ -26,7 +26,8 @@ from core.device import resolve_device
 from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
-from run.parallel import data_parallel_size
+from pretrain.engines.parallelize import apply_ddp, parallelize
+from run.parallel import ParallelLayout
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
@@ -42,13 +43,14 @@ SCHEDULER_FILE = "scheduler.pt"
 
 
 def init_process_group(cfg: TrainConfig) -> torch.device:
-    """Join the launcher's process group (idempotent) and return this rank's device."""
+    """Join the launcher's process group (idempotent) and return this rank's device. The layout is not checked here:
+    ``pretrain.train`` checks it against ``WORLD_SIZE`` before (``run.parallel.check_world``), and the engine derives
+    it (``ParallelLayout.of``, the same line for an impossible one) before its first collective."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise ConfigError(
             f"train.engine: {cfg.engine} needs a distributed launcher (torchrun, or launch/torchrun.sh); "
             "RANK/WORLD_SIZE are not set"
         )
-    data_parallel_size(cfg, int(os.environ["WORLD_SIZE"]))  # an impossible layout stops before any process waits
     device = resolve_device(cfg.device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
@@ -79,8 +81,7 @@ class DataParallelEngine(Engine):
         if not dist.is_initialized():
             raise ConfigError(f"train.engine: {cfg.engine} needs the process group (start it with torchrun)")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
-        self.grad_average_ranks = self.world_size
-        self.data_rank, self.data_world_size = self.rank, self.world_size
+        self.layout = ParallelLayout.of(cfg, self.world_size)  # (checked before the process group, pretrain.train)
         self.data_group: dist.ProcessGroup | None = None  # None: every rank holds its own data (no model parallelism)
         super().__init__(model, cfg, device)
 
@@ -221,11 +222,8 @@ class DDPEngine(DataParallelEngine):
 
     name = "ddp"
 
-    def wrap(self, model: Transformer) -> nn.Module:
-        from torch.nn.parallel import DistributedDataParallel
-
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=ids)
+    def parallelize(self, model: Transformer) -> nn.Module:
+        return parallelize(model, self.cfg, data_parallel="ddp", device=self.device)
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if sync else cast("DistributedDataParallel", self.wrapped).no_sync()
@@ -236,7 +234,7 @@ class DDPEngine(DataParallelEngine):
         freed, so each gradient is reduced once. The weights are identical on every rank, and the optimizer holds
         the parameters themselves, so it carries over with its state."""
         old = self.wrapped
-        self.wrapped = self.model = self.wrap(self.raw_model)
+        self.wrapped = self.model = apply_ddp(self.raw_model, self.device)
         del old
         gc.collect()
 
@@ -244,47 +242,24 @@ class DDPEngine(DataParallelEngine):
 class FSDP2Engine(DataParallelEngine):
     """Parameters, gradients and optimizer state sharded over ranks: ``fully_shard`` per block,
     then the root (embeddings, final norm and the tied head in one unit). bf16 parameters with
-    fp32 gradient reduction on CUDA; fp32 on CPU. One device mesh (``parallel_dims``):
-    ``train.fsdp2.replicate`` > 1 makes it HSDP (replicate x shard), ``train.parallel.tp`` > 1 splits
-    heads and MLP columns first (``tensor_parallel``), ``train.parallel.cp`` > 1 splits every sequence over the
-    CP ranks (``model.attention.common.context_parallel``: K and V all-gathered per layer), and FSDP2 shards over the
-    data-parallel dimensions (CP's included)."""
+    fp32 gradient reduction on CUDA; fp32 on CPU. One device mesh (``parallel_dims``, over the run's
+    ``ParallelLayout``): ``train.fsdp2.replicate`` > 1 makes it HSDP (replicate x shard), ``train.parallel.tp`` > 1
+    splits heads and MLP columns first (``tensor_parallel``), ``train.parallel.cp`` > 1 splits every sequence over
+    the CP ranks (``model.attention.common.context_parallel``: K and V all-gathered per layer), and FSDP2 shards over
+    the data-parallel dimensions (CP's included); ``parallelize`` applies them in that order."""
 
     name = "fsdp2"
 
-    def parallelize(self, model: Transformer) -> None:
+    def parallelize(self, model: Transformer) -> nn.Module:
         from pretrain.engines.parallel_dims import ParallelDims
 
-        self.dims = dims = ParallelDims.from_config(self.cfg, self.world_size)
-        dims.build_mesh(self.device.type)
-        self.data_rank, self.data_world_size = dims.data_rank(), dims.dp
-        # FSDP2 averages gradients over its mesh (dp x cp); TP gradients are whole on each rank
-        self.grad_average_ranks = dims.dp * dims.cp
-        tp_mesh = dims.tp_mesh()
-        if tp_mesh is not None:
-            from pretrain.engines.tensor_parallel import apply_tp
-
-            self.data_group = dims.data_group()
-            self.tp_size = dims.tp
-            apply_tp(model, tp_mesh, sequence_parallel=self.cfg.parallel.sequence_parallel)
-        cp_mesh = dims.cp_mesh()
-        if cp_mesh is not None:  # after TP (the cores see their local heads), before AC, compile and the FSDP2 wrap
-            from model.transformer import apply_context_parallel
-
-            self.data_group = dims.data_group()
-            self.context_parallel = apply_context_parallel(model, cp_mesh)
-
-    def wrap(self, model: Transformer) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        kwargs: dict[str, Any] = {"mesh": self.dims.fsdp_mesh()}
+        self.dims = ParallelDims.build(self.layout, self.device.type)
+        if self.layout.model_parallel > 1:  # the TP ranks of a replica count once; each CP rank its own targets
+            self.data_group = self.dims.data_group()
+        param_dtype = None
         if self.amp_dtype is not None and self.device.type == "cuda":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=self.amp_dtype, reduce_dtype=torch.float32)
-            self.amp_dtype = None  # the policy casts; no autocast on top
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+            param_dtype, self.amp_dtype = self.amp_dtype, None  # FSDP2's policy casts; no autocast on top
+        return parallelize(model, self.cfg, dims=self.dims, data_parallel="fsdp", param_dtype=param_dtype)
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         cast("FSDPModule", self.wrapped).set_requires_gradient_sync(sync)

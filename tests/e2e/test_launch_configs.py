@@ -23,6 +23,7 @@ from core import configlib
 from launch.presets import CONFIG_DIR, derived_names
 from run.config import derived_config, run_config_from_dict
 from run.engines import ENGINE_SPECS
+from run.parallel import ParallelLayout
 from tests.conftest import SHARED
 from tests.e2e.helpers import HAVE_DEEPSPEED, run_sequence, train_rows, write_summary
 from tests.e2e.test_train_cli import overrides
@@ -116,7 +117,9 @@ def shrunk(name: str, root: Path, cache_dir: Path) -> list[str]:
         "eval.every": 0,
         "eval.batches": 1,
     }
-    if train.parallel.model_parallel > 1:  # 2 processes: context parallelism kept (cp=2) where set, else tp=2
+    if (
+        ParallelLayout.replica(train.parallel).model_parallel > 1
+    ):  # 2 processes: context parallelism kept (cp=2) where set, else tp=2
         extra |= {"train.parallel.cp": min(train.parallel.cp, 2)}
         extra |= {"train.parallel.tp": 1 if train.parallel.cp > 1 else min(train.parallel.tp, 2)}
     if cfg.data.source == "mixture":

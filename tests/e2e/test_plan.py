@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from launch.plan import Layout, activation_bytes, meta_model, state_bytes
+from launch.plan import activation_bytes, meta_model, state_bytes
 from pretrain.state_sizes import ENV as STATE_SIZES
 from run.config import load_run_config
+from run.parallel import ParallelLayout as Layout
 from tests.e2e.helpers import run_sequence
 from tests.e2e.test_train_cli import TINY, overrides
 
@@ -84,8 +85,8 @@ def test_planner_matches_the_sharded_state(label, launched, root, cache_dir):
     micro = cfg.train.batch_size // layout.dp
     for path in files:
         measured = json.loads(path.read_text())
-        tp_rank, shard_rank = layout.coordinates(measured["rank"])
-        state = state_bytes(model, layout, tp_rank, shard_rank)
+        at = layout.coordinates(measured["rank"])
+        state = state_bytes(model, layout, at.tp, at.dp_shard_cp)
         act = activation_bytes(
             model,
             micro=micro,

@@ -14,6 +14,7 @@ from launch import submit
 from launch.presets import CONFIG_DIR
 from pretrain import train
 from run.config import load_run_config
+from run.parallel import ParallelLayout
 
 LONG = {"llama-7b-32k.toml": 32768, "llama-7b-128k.toml": 131072}
 
@@ -35,7 +36,7 @@ def test_the_7b_configs_are_the_planners_pick_and_fit_80gib(name):
     chosen = planner.pick(planner.plan(cfg, 64, 80 << 30))
     assert chosen is not None and chosen.fits
     lay = chosen.layout
-    assert (lay.cp, lay.tp, lay.ac) == (
+    assert (lay.cp, lay.tp, chosen.ac) == (
         cfg.train.parallel.cp,
         cfg.train.parallel.tp,
         cfg.train.activation_checkpointing,
@@ -50,7 +51,7 @@ def test_sharded_bytes_follow_torch_chunk_and_fsdp_padding():
     table = (planner.ParamInfo("w", (5, 3), 4, True, 1),)
     rows = [len(c) for c in torch.chunk(torch.zeros(5), 2)]
     for rank in (0, 1):
-        s = planner.table_state_bytes(table, planner.Layout(1, 2, 1, 3), 0, rank)
+        s = planner.table_state_bytes(table, ParallelLayout(1, 2, 1, 3), 0, rank)
         assert s.parameters == s.gradients == math.ceil(5 / 2) * 1 * 4
         assert s.optimizer == 2 * rows[rank] * 1 * 4 + 4
         assert s.accumulation == 5 * 1 * 4

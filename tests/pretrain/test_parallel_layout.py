@@ -10,7 +10,7 @@ from core.errors import ConfigError
 from launch import submit
 from pretrain import train
 from run.config import load_run_config
-from run.parallel import data_parallel_size
+from run.parallel import ParallelLayout
 from tests.conftest import REPO
 
 TINY = REPO / "launch" / "configs" / "tiny.toml"
@@ -61,11 +61,11 @@ def test_impossible_layout_is_one_line_and_exit_2_under_dry_run(label, capsys, m
 
 def test_world_size_must_be_dp_x_cp_x_tp(capsys, monkeypatch):
     cfg = load_run_config(TINY, [FSDP2, "train.parallel.tp=2", "train.fsdp2.replicate=2"])
-    assert data_parallel_size(cfg.train, 8) == 4
+    assert ParallelLayout.of(cfg.train, 8) == ParallelLayout(dp_replicate=2, dp_shard=2, cp=1, tp=2)
     with pytest.raises(ConfigError, match=r"^train.parallel: dp x cp x tp must equal the world size 3"):
-        data_parallel_size(cfg.train, 3)
+        ParallelLayout.of(cfg.train, 3)
     with pytest.raises(ConfigError, match=r"^train.fsdp2.replicate: 2 does not divide the data-parallel size 3"):
-        data_parallel_size(cfg.train, 6)
+        ParallelLayout.of(cfg.train, 6)
     monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it: checked before any process group
     assert train.main(["--config", str(TINY), "--dry-run", "--set", FSDP2, "--set", "train.parallel.tp=2"]) == 2
     err = capsys.readouterr().err.strip()
@@ -88,7 +88,7 @@ def test_default_layout_is_data_parallel_only():
     cfg = load_run_config(TINY, [])
     assert (cfg.train.parallel.tp, cfg.train.parallel.cp) == (1, 1)
     assert cfg.train.parallel.sequence_parallel  # meaningful only with tp > 1
-    assert data_parallel_size(cfg.train, 5) == 5
+    assert ParallelLayout.of(cfg.train, 5).dp == 5
     assert "[train.parallel]" in cfg.to_toml()
 
 
@@ -110,3 +110,31 @@ def test_batch_that_does_not_split_over_dp_is_one_line_under_dry_run(sets, world
     launch = ["--config", str(TINY), "--nodes", "1", "--gpus-per-node", str(world), "--dry-run"]
     assert submit.main([*launch] + [x for s in sets for x in ("--set", s)]) == 2
     assert capsys.readouterr().err.strip().startswith(f"error: {line}")
+
+
+def test_layout_numbers_ranks_as_the_device_mesh_lays_them_out():
+    """``ParallelLayout.coordinates`` (the loader's data rank, the planner's shard rank) is ``init_device_mesh``'s
+    row-major ``arange(world).view(dp_replicate, dp_shard, cp, tp)``; the engines' mesh also checks it per rank."""
+    import torch
+
+    layout = ParallelLayout(dp_replicate=2, dp_shard=3, cp=2, tp=2)
+    assert (layout.dp, layout.model_parallel, layout.dp_shard_cp, layout.dp_cp, layout.world) == (6, 4, 6, 12, 24)
+    assert layout.label() == "2x3x2x2"
+    grid = torch.arange(layout.world).view(layout.mesh_shape)
+    for rank in range(layout.world):
+        at = layout.coordinates(rank)
+        assert int(grid[at.dp_replicate, at.dp_shard, at.cp, at.tp]) == rank
+        assert rank in grid.flatten(0, 1)[at.dp]  # the flattened dp_replicate x dp_shard view
+        assert rank in grid[at.dp_replicate].flatten(0, 1)[at.dp_shard_cp]  # the flattened dp_shard x cp view
+
+
+def test_model_parallel_degrees_divide_the_world_with_tp_within_a_node():
+    assert list(ParallelLayout.model_parallel_degrees(8, max_tp=2)) == [
+        (1, 1),
+        (2, 1),
+        (4, 1),
+        (8, 1),
+        (1, 2),
+        (2, 2),
+        (4, 2),
+    ]
