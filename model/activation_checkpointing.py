@@ -6,7 +6,7 @@ compute-bound ops (matmuls, fused attention) and recomputes the cheap memory-bou
 activations, RoPE, elementwise), which removes most of the saved activations for a small
 recompute cost. Both use the non-reentrant implementation, which FSDP2 and torch.compile support.
 A variant's forward must have no side effects beyond its outputs: it runs twice. Under ``selective`` the replay
-gets the forward's own output tensor of every kept op (``SAVED_OPS``), so a forward must never modify such an output
+gets the forward's own output tensor of every kept op (``saved_ops()``), so a forward must never modify such an output
 in place (``torch.matmul(...).mul_(...)``): the replay would apply the change twice and compute different values
 for the backward, silently (``test_activation_checkpointing_keeps_values_and_gradients`` runs every variant).
 """
@@ -22,23 +22,22 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 MODES = ("none", "selective", "full")
 
-_SAVED_OP_NAMES = (
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "_scaled_dot_product_flash_attention",
-    "_scaled_dot_product_efficient_attention",
-    "_scaled_dot_product_cudnn_attention",
-    "_scaled_dot_product_flash_attention_for_cpu",
-)
-SAVED_OPS = frozenset(
-    getattr(torch.ops.aten, name).default for name in _SAVED_OP_NAMES if hasattr(torch.ops.aten, name)
-)
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+MATMUL_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _MATMULS if hasattr(torch.ops.aten, name))
 
 
-def _selective_policy(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+def saved_ops() -> frozenset[Any]:
+    """What ``selective`` keeps: the matmuls and every registered variant's attention kernels
+    (``Attention.attention_ops``), so the backward never re-runs an attention forward."""
+    from model.attention import registry
+
+    return MATMUL_OPS.union(*(entry.cls.attention_ops() for entry in registry.values()))
+
+
+def _selective_policy(
+    saved: frozenset[Any], ctx: object, op: object, *args: object, **kwargs: object
+) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 def checkpointed(block: Callable[..., Any], mode: str, *args: Any, **kwargs: Any) -> Any:
@@ -50,7 +49,7 @@ def checkpointed(block: Callable[..., Any], mode: str, *args: Any, **kwargs: Any
             block,
             *args,
             use_reentrant=False,
-            context_fn=partial(create_selective_checkpoint_contexts, _selective_policy),
+            context_fn=partial(create_selective_checkpoint_contexts, partial(_selective_policy, saved_ops())),
             **kwargs,
         )
     raise ValueError(f"activation checkpointing mode {mode!r}; allowed: {', '.join(MODES)}")

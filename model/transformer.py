@@ -96,8 +96,27 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
+        # train.activation_checkpointing (set through Transformer.activation_checkpointing): applied inside the block's
+        # own forward, so a compiled block traces the checkpoint and its selective policy into one graph (checkpointing
+        # a compiled block instead recomputes the whole compiled region in the backward, whatever the policy)
+        self.checkpointing = "none"
 
     def forward(
+        self,
+        x: Tensor,
+        *,
+        positions: Tensor,
+        rope: tuple[Tensor, Tensor] | None,
+        cache: KVCache | None,
+        documents: Tensor | None = None,
+    ) -> tuple[Tensor, AttnOut]:
+        if self.checkpointing != "none" and self.training and torch.is_grad_enabled() and cache is None:
+            return checkpointed(
+                self.layer, self.checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents
+            )
+        return self.layer(x, positions=positions, rope=rope, cache=cache, documents=documents)
+
+    def layer(
         self,
         x: Tensor,
         *,
@@ -136,8 +155,6 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        # a training choice, not part of the model: set by the engine (train.activation_checkpointing)
-        self.activation_checkpointing = "none"
         # data.document_masking: the EOS id that ends documents; whole-sequence forwards then mask
         # attention per document and restart positions (model/documents.py). None = off.
         self.document_eos_id: int | None = None
@@ -152,6 +169,17 @@ class Transformer(nn.Module):
                 "shard a scalar parameter, make it shape [1]"
             )
         self.reset_parameters()
+
+    @property
+    def activation_checkpointing(self) -> str:
+        """train.activation_checkpointing: a training choice, not part of the model (set by the engine), applied by
+        each block inside its own forward."""
+        return self.blocks[0].checkpointing if len(self.blocks) else "none"
+
+    @activation_checkpointing.setter
+    def activation_checkpointing(self, mode: str) -> None:
+        for block in self.blocks:
+            block.checkpointing = mode
 
     def reset_parameters(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual output projections scaled by 1/sqrt(2L)."""
@@ -269,22 +297,8 @@ class Transformer(nn.Module):
         aux: Tensor | None = None
         stats: dict[str, Tensor] = {}
         layer_stats: list[dict[str, Tensor]] = []
-        recompute = self.activation_checkpointing != "none" and self.training and torch.is_grad_enabled() and not caches
         for i, block in enumerate(self.blocks):
-            if recompute:
-                x, a = checkpointed(
-                    block,
-                    self.activation_checkpointing,
-                    x,
-                    positions=positions,
-                    rope=rope,
-                    cache=None,
-                    documents=documents,
-                )
-            else:
-                x, a = block(
-                    x, positions=positions, rope=rope, cache=caches[i] if caches else None, documents=documents
-                )
+            x, a = block(x, positions=positions, rope=rope, cache=caches[i] if caches else None, documents=documents)
             if a.aux_loss is not None:
                 aux = a.aux_loss if aux is None else aux + a.aux_loss
             for key, value in a.stats.items():

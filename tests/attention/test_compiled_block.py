@@ -122,10 +122,15 @@ def test_a_cuda_flex_call_inside_a_compiled_region_is_traced_not_wrapped():
 
 
 @pytest.mark.slow  # a dynamo + AOT trace of a block per variant configuration: about 15 s each on 2 cores
+@pytest.mark.parametrize("checkpointing", ["none", "selective"])
 @pytest.mark.parametrize("name,case", cases())
-def test_block_forward_backward_is_one_graph_without_host_sync(name, case, monkeypatch):
+def test_block_forward_backward_is_one_graph_without_host_sync(name, case, checkpointing, monkeypatch):
+    """With selective activation checkpointing (inside the compiled block, as the engines apply it) the same holds,
+    and the backward graph does not re-run the variant's attention kernel (issue 36, item 5): the policy keeps the
+    outputs of every op a registered variant names in ``attention_ops``."""
     monkeypatch.setattr(flex_module, "_validate_device", lambda *args: None)
     block, x, positions, rope = block_and_inputs(name, case)
+    block.checkpointing = checkpointing
     graphs = GraphOps()
     torch._dynamo.reset()
     compiled = torch.compile(block, backend=graphs.backend, fullgraph=True)
@@ -137,4 +142,8 @@ def test_block_forward_backward_is_one_graph_without_host_sync(name, case, monke
     assert len(graphs.ops) == 2, f"{name}: {len(graphs.ops)} graphs (one forward and one backward expected)"
     synced = {op.split(".default")[0] for ops in graphs.ops for op in ops} & SYNC_OPS
     assert not synced, f"{name} {case.name}: host synchronisations in the compiled block: {sorted(synced)}"
+    kernels = {str(op) for op in registry[name].cls.attention_ops()}
+    forward, backward = graphs.ops
+    assert kernels & forward, f"{name}: none of its attention_ops {sorted(kernels)} runs in the forward graph"
+    assert not kernels & backward, f"{name} {checkpointing}: the backward re-runs {sorted(kernels & backward)}"
     assert x.grad is not None  # the backward graph ran (hard Focus leaves its unused lambda without a gradient)

@@ -274,6 +274,14 @@ class Attention(nn.Module):
         """Whether ``fast`` is exact and supported for this device, dtype and call."""
         return False
 
+    @classmethod
+    def attention_ops(cls) -> tuple[Any, ...]:
+        """The operators that are this variant's attention kernels: selective activation checkpointing keeps their
+        outputs for the backward instead of recomputing them (model/activation_checkpointing.py asks every registered
+        variant). Default: the fused SDPA kernels and FlexAttention (every variant's GPU path is one of them); a
+        variant with a kernel of its own (a Triton custom op) adds it."""
+        return fused_attention_ops()
+
     def gpu_paths(self) -> dict[str, GpuPath]:
         """The calls of this module's GPU (CUDA) path that must stay compile-clean: no graph break under
         ``torch.compile`` and no recompile per length beyond the dynamic-shape bound
@@ -286,6 +294,21 @@ class Attention(nn.Module):
             return (out.output,) if out.aux_loss is None else (out.output, out.aux_loss)
 
         return {"forward": forward}
+
+
+_FUSED_SDPA = (
+    "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu",
+)
+
+
+def fused_attention_ops() -> tuple[Any, ...]:
+    """SDPA's fused kernels (those this torch has) and the FlexAttention operator."""
+    ops: list[Any] = [getattr(torch.ops.aten, name).default for name in _FUSED_SDPA if hasattr(torch.ops.aten, name)]
+    flex = getattr(torch.ops.higher_order, "flex_attention", None)
+    return (*ops, flex) if flex is not None else tuple(ops)
 
 
 # context parallelism's gather: (this rank's tensor, sequence dim) -> the whole sequence, autograd-aware

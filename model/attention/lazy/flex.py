@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from model.attention.common.flex import causal_block_mask as shared_causal_block_mask
+
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -89,29 +91,11 @@ def compiled_two_pass() -> Callable[..., Tensor]:
     return _COMPILED
 
 
-_BLOCK_MASKS: dict[tuple[int, int, str], BlockMask] = {}
-BLOCK_MASKS_KEPT = 8  # distinct (query, key) lengths kept; the oldest is dropped first
-
-
 def causal_block_mask(tq: int, tk: int, device: torch.device | str) -> BlockMask | None:
-    """FlexAttention block mask for queries at positions ``tk - tq .. tk - 1`` over keys ``0 .. tk - 1``,
-    cached per shape and shared by every layer and module; None for one query (it sees every key)."""
+    """FlexAttention block mask for queries at positions ``tk - tq .. tk - 1`` over keys ``0 .. tk - 1``: the shared
+    one built from block arithmetic (``common.flex.causal_block_mask``, cached per shape, shared by every layer and
+    module; traceable inside a compiled, activation-checkpointed block, where ``create_block_mask`` is not); None for
+    one query (it sees every key)."""
     if tq == 1:
         return None
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    key = (tq, tk, str(device))
-    if torch.compiler.is_compiling():  # traced whole: a dict keyed by the lengths would specialise them (recompiles)
-        return create_block_mask(lambda b, h, qi, kv: kv <= qi + (tk - tq), None, None, tq, tk, device=device)
-    mask = _BLOCK_MASKS.pop(key, None)
-    if mask is None:
-        offset = torch.tensor(tk - tq, device=device)  # a tensor, so a compiled flex does not specialise on it
-
-        def causal(b: Tensor, h: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
-            return kv <= qi + offset
-
-        mask = create_block_mask(causal, None, None, tq, tk, device=device)
-        while len(_BLOCK_MASKS) >= BLOCK_MASKS_KEPT:
-            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
-    _BLOCK_MASKS[key] = mask  # most recently used last
-    return mask
+    return shared_causal_block_mask(tq, tk, device)
