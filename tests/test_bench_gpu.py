@@ -8,8 +8,9 @@ import resource
 import time
 
 import pytest
+import torch
 
-from bench import gpu, gpu_report, train_step
+from bench import gpu, gpu_report, profiling, train_step
 from model.config import ModelConfig, preset_dict
 from model.counts import count_parameters, flops_per_token
 from pretrain.metrics import peak_flops_for_name
@@ -188,3 +189,91 @@ def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
     # CPU time, not wall time, so that the check holds however loaded the machine is: 13-14 s measured on the
     # 2-core VM, where the wall time was 53-72 s at a load average of 16-18
     assert cpu < 30, f"the quick suite took {cpu:.0f} s of CPU time"
+
+
+# ---- profiles (bench.profiling) -------------------------------------------------------------------------------------
+def _cuda_trace(torch_2_13: bool) -> list[profiling.Ev]:
+    """Two profiled steps as the CUDA profiler records them: per step 2 GEMMs (300 us each), an elementwise kernel
+    (40 us) and a Triton kernel (50 us) behind 3 runtime and 1 driver launch, a device-to-host copy (10 us), one
+    ``cudaStreamSynchronize`` (a ``.item()``); the GPU side of the record_function ranges (the step's, inductor's);
+    the profiler's own ``cudaDeviceSynchronize`` after the steps. torch 2.11 names no activity types (the GPU side of
+    a range is known by its name); 2.13 does."""
+
+    def ev(name, device, start, end, annotation=False, activity=""):
+        return profiling.Ev(name, device, start, end, 7, annotation, activity if torch_2_13 else "")
+
+    call = "## Call CompiledFxGraph f0 ##"
+    events = [ev("cudaDeviceSynchronize", False, 2100, 2200, activity="cuda_runtime")]
+    for off in (0, 1000):
+        events += [
+            ev(profiling.STEP, False, off, off + 1000, True, "user_annotation"),
+            ev(call, False, off + 5, off + 600, True, "user_annotation"),
+            ev("aten::mm", False, off + 10, off + 30, activity="cpu_op"),
+            ev("cudaLaunchKernel", False, off + 20, off + 25, activity="cuda_runtime"),
+            ev("cudaLaunchKernel", False, off + 40, off + 45, activity="cuda_runtime"),
+            ev("cudaLaunchKernel", False, off + 50, off + 55, activity="cuda_runtime"),
+            ev("cuLaunchKernelEx", False, off + 60, off + 65, activity="cuda_driver"),
+            ev("cudaMemcpyAsync", False, off + 70, off + 75, activity="cuda_runtime"),
+            ev("cudaStreamSynchronize", False, off + 80, off + 900, activity="cuda_runtime"),
+            ev(profiling.STEP, True, off + 20, off + 950, activity="gpu_user_annotation"),
+            ev(call, True, off + 20, off + 800, activity="gpu_user_annotation"),
+            ev("ampere_bf16_gemm_128x128", True, off + 100, off + 400, activity="kernel"),
+            ev("ampere_bf16_gemm_128x128", True, off + 400, off + 700, activity="kernel"),
+            ev("void at::native::vectorized_elementwise_kernel<4>", True, off + 700, off + 740, activity="kernel"),
+            ev("triton_poi_fused_add_0", True, off + 740, off + 790, activity="kernel"),
+            ev("Memcpy DtoH (Device -> Pageable)", True, off + 790, off + 800, activity="gpu_memcpy"),
+        ]
+    return events
+
+
+@pytest.mark.parametrize("torch_2_13", [False, True], ids=["no-activity-types", "activity-types"])
+def test_cuda_profile_counts_kernels_launches_and_syncs_per_step(torch_2_13):
+    summary = profiling.summarize(_cuda_trace(torch_2_13), steps=2, device="cuda", top=3)
+    assert (summary["kernels"], summary["copies"], summary["launch_calls"], summary["syncs"]) == (4, 1, 4, 1)
+    assert summary["sync_calls"] == {"cudaStreamSynchronize": 1}  # not the profiler's cudaDeviceSynchronize
+    assert summary["wall_ms"] == pytest.approx(1.0) and summary["busy_ms"] == pytest.approx(0.7)
+    top = summary["top"]
+    assert [k["name"] for k in top] == [
+        "ampere_bf16_gemm_128x128",
+        "triton_poi_fused_add_0",
+        "void at::native::vectorized_elementwise_kernel<4>",
+    ]
+    assert (top[0]["calls"], top[0]["ms"], top[0]["share"]) == (2, pytest.approx(0.6), pytest.approx(0.6 / 0.7))
+
+
+def test_cuda_profile_without_device_records_says_so():
+    host_only = [e for e in _cuda_trace(False) if not e.device]
+    summary = profiling.summarize(host_only, steps=2, device="cuda")
+    assert summary["kernels"] is None and summary["top"] == [] and "CUPTI" in summary["note"]
+    assert summary["syncs"] == 1  # the host side is still read
+
+
+def test_cpu_profile_ranks_operators_as_torch_does():
+    """On CPU the top rows are operators by self CPU time, read from the raw results, as torch's own key_averages
+    ranks them; kernels, launches and synchronisations are n/a (None)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(96, 96, requires_grad=True)
+
+    def step():
+        (x @ x @ x).relu().sum().backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function(profiling.STEP):
+                step()
+    events, source = profiling.events_of(prof)
+    assert source == "kineto results"
+    summary = profiling.summarize(events, steps=2, device="cpu")
+    assert summary["kernels"] is summary["syncs"] is summary["launch_calls"] is None
+    theirs = max((e for e in prof.key_averages() if e.key != profiling.STEP), key=lambda e: e.self_cpu_time_total)
+    mine = summary["top"][0]
+    assert mine["name"] == theirs.key == "aten::mm"
+    # within 2%: torch nests a few children differently (a re-entered op folded into its parent), same totals
+    assert mine["ms"] == pytest.approx(theirs.self_cpu_time_total / 2 / 1e3, rel=0.02)
+    assert mine["calls"] == theirs.count / 2 == 6  # 2 forward, 4 backward
+    # the slower reading gives the same figures
+    again = profiling.summarize(profiling.from_function_events(prof.events()), steps=2, device="cpu")
+    assert again["top"][0]["name"] == "aten::mm" and again["top"][0]["ms"] == pytest.approx(mine["ms"], rel=0.02)
+    assert profiling.safe_profile(lambda: 1 / 0, 1, "cpu", "fwd")["error"] == "ZeroDivisionError: division by zero"
