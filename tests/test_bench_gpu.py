@@ -277,3 +277,22 @@ def test_cpu_profile_ranks_operators_as_torch_does():
     again = profiling.summarize(profiling.from_function_events(prof.events()), steps=2, device="cpu")
     assert again["top"][0]["name"] == "aten::mm" and again["top"][0]["ms"] == pytest.approx(mine["ms"], rel=0.02)
     assert profiling.safe_profile(lambda: 1 / 0, 1, "cpu", "fwd")["error"] == "ZeroDivisionError: division by zero"
+
+
+def test_training_arm_profiles_after_its_timed_steps_and_stops_slow_arms_after_three():
+    cfg = train_step.arm_config("llama-124m", "full", seq_len=64, device="cpu", quick=True)
+    seen: list[dict] = []
+    row = train_step.measure_arm(
+        cfg,
+        steps=6,
+        warmup=0,
+        max_timed_s=1e-9,
+        profile_steps=1,
+        profile_top=4,
+        measured=lambda r: seen.append(dict(r)),
+    )
+    assert row["steps"] == 3  # past max_timed_s: three timed steps, not six
+    assert seen and "profile" not in seen[0]  # the row went out before the profile ran
+    prof = row["profile"]
+    assert (prof["what"], prof["steps"], prof["kernels"], prof["activity"]) == ("train step", 1, None, "cpu")
+    assert 0 < len(prof["top"]) <= 4 and prof["wall_ms"] > 0
