@@ -2,32 +2,45 @@
 
 On one CUDA device: the training-step benchmark (``bench.train_step``: tokens/s, step time, peak memory, MFU per
 trainable variant), ``bench.attention``'s figures for every variant (forward, forward+backward, peak memory, decode)
-and the CUDA test suite (pytest in a child process, each outcome counted as it finishes). Writes
-``DIR/gpu_suite.json`` and ``DIR/gpu_suite.md`` (``bench.gpu_report``: device, torch / CUDA versions, commit, command,
-a headline table against the goals, every item's status) after every item, so a run cut off anywhere still reports
-what it measured.
+at two attention shapes, where the time goes in each (``bench.profiling``: top kernels by device time, kernels
+launched and host synchronisations per step) and the CUDA test suite (pytest in a child process, each outcome
+counted as it finishes). Writes ``DIR/gpu_suite.json`` and ``DIR/gpu_suite.md`` (``bench.gpu_report``: device,
+torch / CUDA versions, commit, command, a headline table against the goals, every item's status and figures) after
+every item, so a run cut off anywhere still reports what it measured.
 
 Order: the work is a list of items run in turn until ``--budget`` seconds are spent, the most important first:
 
 1. ``train llama-1.3b full``: MFU at T = 4096, the headline figure.
-2. ``train llama-1.3b <variant>`` for every trainable variant: step time / full attention's.
-3. ``focus hard forward``: Focus hard k = 1 (K = 4 and 8) beside full attention at 16K and 64K, forward.
-4. ``decode``: one token at a 16K context for full attention, Focus hard k = 1 and DGA.
-5. ``tests``: the CUDA test suite (``tests/attention/test_gpu_suite.py``, and the shared suite
-   ``tests/attention/test_suite.py``, which runs on the device when there is one), fast tier; counted per test as
-   it finishes, so a cut-off run still counts what ran.
-6. ``train llama-124m <variant>``: full attention and every trainable variant.
-7. ``attention T=...``: every variant at 4K, 16K and 64K (forward, forward+backward, peak memory), then
-   ``attention decode``: every variant's decode at 16K.
-8. ``focus hard long T=...``: Focus hard k = 1 (K = 8) beside full attention at 256K and 1M.
+2. ``train llama-1.3b <variant>`` for every trainable variant: step time / full attention's (an arm whose timed
+   steps pass 30 s stops after 3 of them: lazy's step takes 12 s on an H200).
+3. ``tests``: the CUDA test file ``tests/attention/test_gpu_suite.py`` (fast paths against references on the
+   device, causality, KV cache), fast tier; counted per test as it finishes, so a cut-off run still counts what ran.
+   It comes before the attention items so that it finishes inside the default budget.
+4. ``focus hard forward``: Focus hard k = 1 (K = 4 and 8) beside full attention at 16K and 64K, forward, at the
+   small attention shape (batch 1, 4 heads x 64).
+5. ``decode``: one token at a 16K context for full attention, Focus hard k = 1 and DGA, small shape.
+6. ``focus hard forward llama-1.3b``, ``decode llama-1.3b``: items 4 and 5 at llama-1.3b's attention shape
+   (16 heads x 128, a batch of 32K tokens: 2 x 16384, 1 x 65536).
+7. ``tests shared suite``: the shared suite ``tests/attention/test_suite.py`` on the device (CI runs it on CPU).
+8. ``train llama-124m <variant>``: full attention and every trainable variant.
+9. ``attention T=...`` and ``attention T=... llama-1.3b``: every variant at 4K, 16K and 64K (forward,
+   forward+backward, peak memory) at each shape, then ``attention decode`` (and ``... llama-1.3b``): every
+   variant's decode at 16K.
+10. ``focus hard long T=...`` (and ``... llama-1.3b``): Focus hard k = 1 (K = 8) beside full attention at 256K and 1M.
+
+Profiles (``bench.profiling``) come with the items' own measurements, on the compiled model or module they have just
+timed, so that no arm compiles twice: every training item profiles 2 more steps (1 when a step takes over a second),
+every attention item one more call of each case (forward+backward where it was timed) and one more decode token.
+``--no-profile`` leaves them out.
 
 Each item has a cap (seconds) and is not started with less than its minimum left; one that errs (out of memory,
 a missing kernel) is reported with its traceback's tail and the run goes on; one that passes its cap or the budget
-is cut off by a timer and reported as such. ``--only`` runs the items whose name contains one of the given words
-(a later run can fill in what a cut-off run left out).
+is cut off by a timer and reported as such, with the rows it had measured (an item fills them in as it goes). ``--only``
+runs the items whose name contains one of the given words (a later run can fill in what a cut-off run left out).
 
-``--device cpu --quick`` runs the same items on tiny shapes (a 2-layer model at T = 128, attention at 128-1024,
-the test file that needs CUDA, which then skips), one CPU thread: the CI check that the suite still runs.
+``--device cpu --quick`` runs the same items on tiny shapes (a 2-layer model at T = 128, attention at 128-1024, the
+llama-1.3b shape with a batch of 256 tokens, the test file that needs CUDA, which then skips), one CPU thread: the CI
+check that the suite still runs. Its profiles are of CPU operators (no device: kernels and synchronisations n/a).
 """
 
 from __future__ import annotations
@@ -50,13 +63,14 @@ from typing import Any
 import torch
 
 from bench import attention as attn
-from bench import gpu_report, train_step
+from bench import gpu_report, profiling, train_step
 from bench.pytest_outcomes import OUTCOMES_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
 FOCUS_HARD_MAIN = FOCUS_HARD[1]
 DGA_CAUSAL = "dga causal (C=128, m=16, gamma=0.1)"
+BIG_SHAPE = "llama-1.3b"  # the second attention shape: this preset's heads x head dimension
 
 
 @dataclass
@@ -73,7 +87,12 @@ class Plan:
     repeat: int  # attention: median of this many runs / decode rounds
     decode_steps: int  # decode tokens per round
     max_seconds: float  # attention: skip a run predicted to take longer
-    tests: list[str] = field(default_factory=list)
+    big_tokens: int  # tokens per call at the llama-1.3b attention shape (the batch: tokens // T, at least 1)
+    tests: list[str] = field(default_factory=list)  # the "tests" item: the CUDA test file
+    shared_tests: list[str] = field(default_factory=list)  # the "tests shared suite" item (none: no item)
+    train_timed_s: float = 0.0  # a training arm's timed steps stop past this many seconds, after 3 (0: no limit)
+    profile_steps: int = 2  # training steps profiled per arm (0: no profiles)
+    profile_top: int = profiling.TOP  # kernels (CPU: operators) listed per profile
 
 
 GPU_PLAN = Plan(
@@ -87,7 +106,10 @@ GPU_PLAN = Plan(
     repeat=3,
     decode_steps=16,
     max_seconds=15.0,
-    tests=["tests/attention/test_gpu_suite.py", "tests/attention/test_suite.py"],
+    big_tokens=attn.PRESET_TOKENS,
+    tests=["tests/attention/test_gpu_suite.py"],
+    shared_tests=["tests/attention/test_suite.py"],
+    train_timed_s=30.0,
 )
 QUICK_PLAN = Plan(
     seq_len=train_step.QUICK_SEQ_LEN,
@@ -100,14 +122,22 @@ QUICK_PLAN = Plan(
     repeat=1,
     decode_steps=2,
     max_seconds=20.0,
+    big_tokens=256,
     tests=["tests/attention/test_gpu_suite.py"],
+    profile_steps=1,
+    profile_top=5,
 )
+
+
+Run = Callable[[float, dict[str, Any]], dict[str, Any]]
 
 
 @dataclass
 class Item:
     name: str
-    run: Callable[[float], dict[str, Any]]  # given a deadline to stop by (time.perf_counter()), returns its figures
+    # given a deadline to stop by (time.perf_counter()) and a dict to fill in as it measures (what a cut-off or
+    # failing item reports), returns its figures
+    run: Run
     cap_s: float  # cut off past this many seconds
     min_s: float = 15.0  # not started with less of the budget left
 
@@ -121,10 +151,19 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 
 
 # ---- items -----------------------------------------------------------------------------------------------------------
-def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Callable[[float], dict[str, Any]]:
-    def run(deadline: float) -> dict[str, Any]:
+def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Run:
+    def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
         cfg = train_step.arm_config(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
-        row = train_step.measure_arm(cfg, steps=plan.train_steps, warmup=plan.train_warmup, deadline=deadline)
+        row = train_step.measure_arm(
+            cfg,
+            steps=plan.train_steps,
+            warmup=plan.train_warmup,
+            deadline=deadline,
+            max_timed_s=plan.train_timed_s,
+            profile_steps=plan.profile_steps,
+            profile_top=plan.profile_top,
+            measured=lambda r: sofar.update(preset=preset, **r),  # kept if the profile is cut off
+        )
         return {"preset": preset, **row}
 
     return run
@@ -136,12 +175,18 @@ def cases(labels: tuple[str, ...] | None = None, backward: bool = True) -> list[
     return chosen if backward else [dataclasses.replace(c, backward=False) for c in chosen]
 
 
+def shape_for(name: str, plan: Plan) -> Callable[[int], attn.Shape]:
+    """An attention item's shape at each length: the small one, or the llama-1.3b one with ``plan.big_tokens``."""
+    return attn.small_shape if name == "small" else attn.preset_shape(name, plan.big_tokens)
+
+
 def forward_item(
-    chosen: list[attn.Case], lengths: list[int], device: str, plan: Plan, quick: bool
-) -> Callable[[float], dict[str, Any]]:
-    def run(deadline: float) -> dict[str, Any]:
-        skipped: list[str] = []
-        rows = attn.bench_forward(
+    chosen: list[attn.Case], lengths: list[int], device: str, plan: Plan, quick: bool, shape: str = "small"
+) -> Run:
+    def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
+        # rows go into ``sofar`` as they are measured: a cut-off item keeps them
+        sofar.update(forward=[], attention_skips=[])
+        attn.bench_forward(
             chosen,
             lengths,
             device,
@@ -149,21 +194,34 @@ def forward_item(
             plan.repeat,
             1.0,
             plan.max_seconds,
-            skipped,
+            sofar["attention_skips"],
             cpu_memory=not quick,
+            shape=shape_for(shape, plan),
+            rows=sofar["forward"],
+            profile_top=plan.profile_top if plan.profile_steps else 0,
         )
-        return {"forward": rows, "attention_skips": skipped}
+        return sofar
 
     return run
 
 
-def decode_item(chosen: list[attn.Case], context: int, device: str, plan: Plan) -> Callable[[float], dict[str, Any]]:
-    def run(deadline: float) -> dict[str, Any]:
-        skipped: list[str] = []
-        rows = attn.bench_decode(
-            chosen, [context], device, attention_dtype(device), plan.decode_steps, plan.repeat, 1.0, skipped
+def decode_item(chosen: list[attn.Case], context: int, device: str, plan: Plan, shape: str = "small") -> Run:
+    def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
+        sofar.update(decode=[], attention_skips=[])
+        attn.bench_decode(
+            chosen,
+            [context],
+            device,
+            attention_dtype(device),
+            plan.decode_steps,
+            plan.repeat,
+            1.0,
+            sofar["attention_skips"],
+            shape=shape_for(shape, plan),
+            rows=sofar["decode"],
+            profile_top=plan.profile_top if plan.profile_steps else 0,
         )
-        return {"decode": rows, "attention_skips": skipped}
+        return sofar
 
     return run
 
@@ -173,13 +231,13 @@ def attention_dtype(device: str) -> torch.dtype:
 
 
 class PytestRun:
-    """pytest (fast tier) on ``paths`` in a child process, its output in ``DIR/tests.log``; each test's outcome is
-    written as it finishes (``bench.pytest_outcomes``, ``DIR/tests.jsonl``), so a run stopped at its deadline still
+    """pytest (fast tier) on ``paths`` in a child process, its output in ``DIR/<stem>.log``; each test's outcome is
+    written as it finishes (``bench.pytest_outcomes``, ``DIR/<stem>.jsonl``), so a run stopped at its deadline still
     reports the counts so far. ``start`` may come early (the quick run overlaps it with the other items; a GPU run
     starts it in turn, so that it does not disturb the timings)."""
 
-    def __init__(self, paths: list[str], out: Path):
-        self.paths, self.outcomes, self.log = paths, out / "tests.jsonl", out / "tests.log"
+    def __init__(self, paths: list[str], out: Path, stem: str = "tests"):
+        self.paths, self.outcomes, self.log = paths, out / f"{stem}.jsonl", out / f"{stem}.log"
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
@@ -199,7 +257,7 @@ class PytestRun:
             self.proc.kill()
             self.proc.wait()
 
-    def __call__(self, deadline: float) -> dict[str, Any]:
+    def __call__(self, deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
         self.start()
         assert self.proc is not None
         timeout = max(1.0, deadline - time.perf_counter())
@@ -248,31 +306,46 @@ def build_items(device: str, plan: Plan, quick: bool, out: Path) -> list[Item]:
         Item(f"train llama-1.3b {kind}", train_item("llama-1.3b", kind, device, plan, quick), 150) for kind in variants
     ]
     items[0].cap_s = 180  # the first compile
+    focus, decode = cases(FOCUS_HARD, backward=False), cases((FOCUS_HARD_MAIN, DGA_CAUSAL))
+    big = BIG_SHAPE
     items += [
-        Item(
-            "focus hard forward",
-            forward_item(cases(FOCUS_HARD, backward=False), plan.focus_lengths, device, plan, quick),
-            90,
-        ),
-        Item("decode", decode_item(cases((FOCUS_HARD_MAIN, DGA_CAUSAL)), plan.decode_context, device, plan), 90),
+        # right after the headline arms: the CUDA tests finish inside the default budget (docs/benchmarks.md)
         Item("tests", PytestRun(plan.tests, out), 300, min_s=30),
+        Item("focus hard forward", forward_item(focus, plan.focus_lengths, device, plan, quick), 90),
+        Item("decode", decode_item(decode, plan.decode_context, device, plan), 90),
+        Item(f"focus hard forward {big}", forward_item(focus, plan.focus_lengths, device, plan, quick, big), 120),
+        Item(f"decode {big}", decode_item(decode, plan.decode_context, device, plan, big), 90),
     ]
+    if plan.shared_tests:
+        items.append(Item("tests shared suite", PytestRun(plan.shared_tests, out, "tests-shared"), 240, min_s=30))
     small = ["full"] if quick else variants  # quick: its variants' arms are the 1.3b arms' code again
     items += [
         Item(f"train llama-124m {kind}", train_item("llama-124m", kind, device, plan, quick), 120) for kind in small
     ]
-    items += [
-        Item(f"attention T={t}", forward_item(cases(), [t], device, plan, quick), 120) for t in plan.matrix_lengths
-    ]
+    for t in plan.matrix_lengths:
+        items.append(Item(f"attention T={t}", forward_item(cases(), [t], device, plan, quick), 120))
+        items.append(Item(f"attention T={t} {big}", forward_item(cases(), [t], device, plan, quick, big), 120))
     items.append(Item("attention decode", decode_item(cases(), plan.decode_context, device, plan), 120))
-    items += [
-        Item(f"focus hard long T={t}", forward_item(cases((FOCUS_HARD_MAIN,)), [t], device, plan, quick), 120)
-        for t in plan.long_lengths
-    ]
+    items.append(Item(f"attention decode {big}", decode_item(cases(), plan.decode_context, device, plan, big), 120))
+    long = cases((FOCUS_HARD_MAIN,))
+    for t in plan.long_lengths:
+        items.append(Item(f"focus hard long T={t}", forward_item(long, [t], device, plan, quick), 120))
+        if not quick:  # quick: the same code as the other items at this shape, and the costliest on a CPU
+            items.append(Item(f"focus hard long T={t} {big}", forward_item(long, [t], device, plan, quick, big), 120))
     return items
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------------
+def kept(sofar: dict[str, Any]) -> str:
+    """A note's tail on what a cut-off or failing item keeps: the rows it measured before."""
+    rows = sum(len(v) for k, v in sofar.items() if k in ("forward", "decode"))
+    if rows:
+        return f"; kept the {rows} row{'s' if rows > 1 else ''} measured before"
+    if "step_s" in sofar:
+        return "; kept its timed steps (the profile was cut off)"
+    return ""
+
+
 def run_items(
     items: list[Item], report: dict[str, Any], out: Path, device: str, budget_s: float, overlap_tests: bool = False
 ) -> None:
@@ -297,23 +370,25 @@ def run_items(
             limit = min(left, item.cap_s)
             print(f"[bench.gpu] {item.name} (up to {limit:.0f} s)", flush=True)
             t0, cpu0 = time.perf_counter(), time.process_time()
+            sofar: dict[str, Any] = {}  # what the item has measured so far: reported if it is cut off or fails
             try:
                 signal.setitimer(signal.ITIMER_REAL, limit)
                 # the item's own deadline comes before the timer's, so that one which can stop early (the training
                 # steps, pytest) stops with what it has measured instead of being cut off
-                entry.update(status="ok", result=item.run(t0 + limit - min(0.1 * limit, 10.0)))
+                entry.update(status="ok", result=item.run(t0 + limit - min(0.1 * limit, 10.0), sofar))
             except Cutoff:
+                signal.setitimer(signal.ITIMER_REAL, 0)
                 why = "the budget" if limit < item.cap_s else f"its cap of {item.cap_s:.0f} s"
-                entry.update(status="cut off", note=f"stopped at {limit:.0f} s ({why})")
+                entry.update(status="cut off", note=f"stopped at {limit:.0f} s ({why})" + kept(sofar))
             except Exception as err:  # report it and go on: one broken item must not lose the others
+                signal.setitimer(signal.ITIMER_REAL, 0)
                 lines = traceback.format_exception(err)
-                entry.update(
-                    status="error",
-                    note=f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__,
-                    error="".join(lines)[-3000:],
-                )
+                first = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}" if str(err) else type(err).__name__
+                entry.update(status="error", note=first + kept(sofar), error="".join(lines)[-3000:])
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
+            if entry["status"] != "ok" and sofar:
+                entry["result"] = sofar
             entry["seconds"] = time.perf_counter() - t0
             entry["cpu_seconds"] = time.process_time() - cpu0  # this process only (not a pytest child)
             report["items"].append(entry)
@@ -338,6 +413,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one CPU thread: the CI smoke run")
+    parser.add_argument("--no-profile", action="store_true", help="leave out the torch.profiler profiles")
     parser.add_argument(
         "--only", default="", help="run only items whose name contains one of these comma-separated words"
     )
@@ -347,6 +423,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.device == "cpu" and args.quick:
         torch.set_num_threads(1)  # a CI machine is shared: one thread measures less noise than contended ones
     plan = QUICK_PLAN if args.quick else GPU_PLAN
+    if args.no_profile:
+        plan = dataclasses.replace(plan, profile_steps=0)
     args.out.mkdir(parents=True, exist_ok=True)
     items = build_items(args.device, plan, args.quick, args.out)
     words = [w.strip() for w in args.only.split(",") if w.strip()]

@@ -1,5 +1,6 @@
 """The GPU suite's report (``bench.gpu``): the environment it ran in, the headline figures against the issue's
-goals, and every item's status and figures, as one JSON document and one Markdown page."""
+goals, every item's status and figures, and where the time goes (the items' ``torch.profiler`` profiles), as one
+JSON document and one Markdown page. Items cut off by their timer report the rows they measured before."""
 
 from __future__ import annotations
 
@@ -14,10 +15,14 @@ from typing import Any
 import torch
 
 from bench import attention as attn
-from bench import train_step
+from bench import profiling, train_step
 from core.files import atomic_write_text
 
 REPO = Path(__file__).resolve().parents[1]
+FOCUS_ITEMS = ("focus hard forward", "focus hard forward llama-1.3b")  # the headline's attention items
+DECODE_ITEMS = ("decode", "decode llama-1.3b")
+TEST_ITEMS = ("tests", "tests shared suite")
+MD_TOP = 5  # kernels per profile in the Markdown page (the JSON keeps the plan's profile_top)
 HEADLINE_PRESET = "llama-1.3b"
 MFU_GOAL = 0.40  # llama-1.3b full attention on an H100
 STEP_RATIO_GOAL = 1.3  # trainable variants' step time / full's
@@ -73,10 +78,29 @@ def _item(report: dict[str, Any], name: str) -> dict[str, Any] | None:
     return item if item and item["status"] == "ok" else None
 
 
+def _measured(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Items with figures: those that finished, and those cut off (or failed) after measuring some rows."""
+    return [i for i in report["items"] if i.get("result")]
+
+
+def _rows(report: dict[str, Any], key: str, names: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Every measured item's ``key`` rows (``forward``, ``decode``), or those of the items named."""
+    return [r for i in _measured(report) if names is None or i["name"] in names for r in i["result"].get(key, [])]
+
+
+def _train(report: dict[str, Any]) -> list[dict[str, Any]]:
+    return [i["result"] for i in _measured(report) if i["name"].startswith("train ") and "step_s" in i["result"]]
+
+
+def shape_text(row: dict[str, Any], dtype: str) -> str:
+    """An attention row's shape, as the headline states it: ``batch 2, 16 heads x 128 (llama-1.3b), bfloat16``."""
+    return f"{attn.row_shape(row).text()}, {dtype}"
+
+
 def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The figures the suite exists for, one row each: what, value, goal (text), met (bool or None)."""
     rows: list[dict[str, Any]] = []
-    train = [i["result"] for i in report["items"] if i["status"] == "ok" and i["name"].startswith("train ")]
+    train = _train(report)
     for preset in dict.fromkeys(r["preset"] for r in train):
         full = next((r for r in train if r["preset"] == preset and r["kind"] == "full"), None)
         if full is None:
@@ -103,41 +127,62 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
                         "met": ratio <= STEP_RATIO_GOAL,
                     }
                 )
-    focus = _item(report, "focus hard forward")
-    for r in (focus or {}).get("result", {}).get("forward", []):
+    dtype = report.get("attention_meta", {}).get("dtype", "")
+    for r in _rows(report, "forward", tuple(FOCUS_ITEMS)):
         if r["kind"] == "focus" and r.get("fwd_ratio") is not None:
             goal = FOCUS_HARD_GOALS.get(r["T"])
             rows.append(
                 {
-                    "what": f"{r['case']} forward / full's at T={r['T']}",
+                    "what": f"{r['case']} forward / full's at T={r['T']} ({shape_text(r, dtype)})",
                     "value": f"{r['fwd_ratio']:.2f}x ({r['fwd_s'] * 1e3:.2f} ms)",
                     "goal": f"<= {goal}x" if goal else "",
                     "met": r["fwd_ratio"] <= goal if goal else None,
                 }
             )
-    decode = _item(report, "decode")
-    for r in (decode or {}).get("result", {}).get("decode", []):
+    for r in _rows(report, "decode", tuple(DECODE_ITEMS)):
         rows.append(
             {
-                "what": f"decode {r['case']} at context {r['context']}",
+                "what": f"decode {r['case']} at context {r['context']} ({shape_text(r, dtype)})",
                 "value": f"{r['ms_per_token']:.2f} ms/token ({r['time_ratio']:.2f}x full's)",
                 "goal": "",
                 "met": None,
             }
         )
-    tests = _item(report, "tests")
-    if tests:
-        t = tests["result"]
-        rows.append(
-            {
-                "what": "CUDA test suite" if report["meta"]["device_kind"] == "cuda" else "test suite (no CUDA: skips)",
-                "value": f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
-                + ("" if t["finished"] else f" ({t['summary']}: incomplete)"),
-                "goal": "0 failed",
-                "met": t["failed"] + t["errors"] == 0 if t["finished"] else None,
-            }
-        )
+    cuda = report["meta"]["device_kind"] == "cuda"
+    for name in TEST_ITEMS:
+        tests = _item(report, name)
+        if tests:
+            t = tests["result"]
+            rows.append(
+                {
+                    "what": ("CUDA tests: " if cuda else "tests (no CUDA: skips): ") + ", ".join(t.get("paths", [])),
+                    "value": f"{t['passed']} passed, {t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped"
+                    + ("" if t["finished"] else f" ({t['summary']}: incomplete)"),
+                    "goal": "0 failed",
+                    "met": t["failed"] + t["errors"] == 0 if t["finished"] else None,
+                }
+            )
     return rows
+
+
+def profiles(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every profile the items took (``bench.profiling``), labelled with its item, case and shape, in run order."""
+    out: list[dict[str, Any]] = []
+    dtype = report.get("attention_meta", {}).get("dtype", "")
+    for item in _measured(report):
+        result = item["result"]
+        if "profile" in result:  # a training arm
+            shape = f"T={result['seq_len']}, micro-batch {result['micro_batch']}, {result['precision']}"
+            out.append({"item": item["name"], "case": result["kind"], "shape": shape, **result["profile"]})
+        for r in result.get("forward", []):
+            if "profile" in r:
+                shape = f"T={r['T']}, {shape_text(r, dtype)}"
+                out.append({"item": item["name"], "case": r["case"], "shape": shape, **r["profile"]})
+        for r in result.get("decode", []):
+            if "profile" in r:
+                shape = f"context {r['context']}, {shape_text(r, dtype)}"
+                out.append({"item": item["name"], "case": r["case"], "shape": shape, **r["profile"]})
+    return out
 
 
 def _met(met: bool | None) -> str:
@@ -167,7 +212,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Items (in the order run)", "", "| item | status | seconds | note |", "|---|---|---:|---|"]
     for i in report["items"]:
         lines.append(f"| {i['name']} | {i['status']} | {i.get('seconds', 0):.1f} | {i.get('note', '')} |")
-    train = [i["result"] for i in report["items"] if i["status"] == "ok" and i["name"].startswith("train ")]
+    train = _train(report)
     if train:
         rows = [dict(r) for r in train]
         for r in rows:
@@ -183,21 +228,99 @@ def markdown(report: dict[str, Any]) -> str:
             "",
             train_step.markdown(rows),
         ]
-    fwd = [r for i in report["items"] if i["status"] == "ok" for r in i["result"].get("forward", [])]
-    dec = [r for i in report["items"] if i["status"] == "ok" for r in i["result"].get("decode", [])]
+    fwd, dec = _rows(report, "forward"), _rows(report, "decode")
     if fwd or dec:
-        skipped = [s for i in report["items"] if i["status"] == "ok" for s in i["result"].get("attention_skips", [])]
+        skipped = [s for i in _measured(report) for s in i["result"].get("attention_skips", [])]
         attn_meta = {**report["attention_meta"], "skipped": skipped}
         lines += ["", "## Attention (`bench.attention`)", "", attn.markdown(attn_meta, fwd, dec)]
-    tests = _item(report, "tests")
-    if tests and tests["result"]["failures"]:
-        lines += ["", "## Failing tests", ""] + [f"- `{f}`" for f in tests["result"]["failures"]]
+    if report.get("profiles"):
+        lines += ["", profile_markdown(report["profiles"])]
+    failures = [f for name in TEST_ITEMS if (t := _item(report, name)) for f in t["result"]["failures"]]
+    if failures:
+        lines += ["", "## Failing tests", ""] + [f"- `{f}`" for f in failures]
     errors = [i for i in report["items"] if i["status"] in ("error", "cut off")]
     if errors:
         lines += ["", "## Errors", ""]
         for i in errors:
             lines += [f"### {i['name']}", "", "```", i.get("error", i.get("note", "")), "```", ""]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _n(x: float | None, spec: str = ".1f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _count(x: float | None) -> str:
+    """A per-step count: whole where it is (``4``), else to a tenth (``0.5``: once in two steps); n/a for None."""
+    if x is None:
+        return "n/a"
+    return f"{x:.0f}" if abs(x - round(x)) < 1e-9 else f"{x:.1f}"
+
+
+def _cell(text: str, chars: int = 70) -> str:
+    """A kernel name in a table cell: cut to ``chars``, pipes escaped."""
+    text = text if len(text) <= chars else text[: chars - 3] + "..."
+    return text.replace("|", "\\|")
+
+
+def profile_markdown(rows: list[dict[str, Any]]) -> str:
+    """The profiles: one summary row each, then each one's top kernels (CPU operators on CPU)."""
+    cpu = all(r.get("activity") == "cpu" for r in rows if "error" not in r)
+    lines = [
+        "## Where the time goes (`torch.profiler`)",
+        "",
+        "Each item profiles a few more steps of what it has just timed (`bench.profiling`; how many: the steps"
+        " column): training steps, an attention call (`fwd+bwd` where it was timed, else `fwd`), a decode token."
+        " Per step: wall ms (the steps' ranges, profiler overhead included), device ms (the kernels'"
+        " and copies' summed durations), kernels launched, launch API calls and host synchronisations (the CUDA"
+        " calls that make the host wait: `cudaStreamSynchronize` behind every `.item()`, `bool(tensor)` or"
+        " blocking copy, `cudaDeviceSynchronize`, `cudaEventSynchronize`, synchronous `cudaMemcpy`).",
+    ]
+    if cpu:
+        lines += [
+            "",
+            "**On CPU (this run): no device.** The time column is the operators' self CPU time, the top rows are CPU "
+            "operators, and kernels, launches and synchronisations are n/a (not zero: not measured).",
+        ]
+    busy = "ops' CPU ms" if cpu else "device ms"
+    lines += [
+        "",
+        f"| item | case | shape | step | steps | wall ms | {busy} | kernels | launch calls | syncs | top (share) |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in rows:
+        head = f"| {r['item']} | {r['case']} | {r['shape']} | {r.get('what', '')} | {r.get('steps', 0)} |"
+        if "error" in r:
+            lines.append(f"{head} - | - | - | - | - | {_cell(r['error'], 120)} |")
+            continue
+        top = ", ".join(f"{_cell(k['name'], 60)} ({k['share']:.0%})" for k in r["top"][:2])
+        lines.append(
+            f"{head} {_n(r['wall_ms'], '.2f')} | {_n(r['busy_ms'], '.2f')} | {_count(r['kernels'])} | "
+            f"{_count(r['launch_calls'])} | {_count(r['syncs'])} | {top} |"
+        )
+    detailed = [r for r in rows if r.get("top")]
+    if detailed:
+        what = "operators by self CPU time" if cpu else "kernels by device time"
+        lines += [
+            "",
+            f"### Top {what}, per step (the {MD_TOP} largest of each profile; the JSON lists up to {profiling.TOP})",
+            "",
+            "| item | case | # | name | calls | ms | share |",
+            "|---|---|---:|---|---:|---:|---:|",
+        ]
+        for r in detailed:
+            for rank, k in enumerate(r["top"][:MD_TOP], 1):
+                lines.append(
+                    f"| {r['item']} | {r['case']} | {rank} | `{_cell(k['name'])}` | {_count(k['calls'])} | "
+                    f"{k['ms']:.3f} | {k['share']:.1%} |"
+                )
+        syncs = [r for r in detailed if r.get("sync_calls")]
+        if syncs:
+            lines += ["", "Host synchronisations per step, by call:", ""]
+            for r in syncs:
+                calls = ", ".join(f"`{name}` {_count(n)}" for name, n in r["sync_calls"].items())
+                lines.append(f"- {r['item']}, {r['case']}: {calls}")
+    return "\n".join(lines)
 
 
 def _statuses(report: dict[str, Any]) -> str:
@@ -216,6 +339,7 @@ def write(report: dict[str, Any], out: Path) -> None:
     import json
 
     report["headline"] = headline(report)
+    report["profiles"] = profiles(report)
     atomic_write_text(out / "gpu_suite.json", json.dumps(report, indent=1, default=str) + "\n")
     atomic_write_text(out / "gpu_suite.md", markdown(report))
 

@@ -29,17 +29,20 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
+from bench import profiling
 from core.device import resolve_device
 from model.attention import registry
 from model.config import AttentionConfig, ModelConfig
 from model.counts import flops_per_token
-from model.transformer import build_model
-from pretrain.engines import build_engine
+from model.transformer import Transformer, build_model
+from pretrain.engines import Engine, build_engine
 from pretrain.freezing import apply_trainable
 from pretrain.metrics import memory_gib, peak_flops, peak_flops_for_name
 from run.config import RunConfig, load_run_config
@@ -104,11 +107,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def train_step(model: Transformer, engine: Engine, cfg: RunConfig, tokens: Tensor, step: int) -> tuple[Tensor, bool]:
+    """The trainer's step (``pretrain.loop.Trainer.train_step``): progress, one micro-step, clipping, the finiteness
+    check (a host sync, as in the loop), the update; returns the loss sum and whether it was finite."""
+    n_targets = tokens.shape[0] * (tokens.shape[1] - 1)
+    model.set_collect_stats(False)
+    model.set_train_progress(step, cfg.train.max_steps)
+    out = engine.micro_step(tokens[:, :-1], tokens[:, 1:], loss_scale=1.0 / n_targets, aux_scale=1.0, sync=True)
+    norm = engine.clip_gradients(cfg.train.grad_clip)
+    finite = bool(torch.isfinite(out.loss_sum)) and bool(torch.isfinite(norm))
+    engine.apply_update(skip=not finite)
+    return out.loss_sum, finite
+
+
+def profile_steps_of(
+    model: Transformer, engine: Engine, cfg: RunConfig, tokens: Tensor, steps: range, top: int
+) -> dict[str, Any]:
+    """``bench.profiling``'s summary of the training steps numbered ``steps`` (no host sync between them beyond the
+    step's own)."""
+    numbers = iter(steps)
+    device = resolve_device(cfg.train.device).type
+    return profiling.safe_profile(
+        lambda: train_step(model, engine, cfg, tokens, next(numbers)), len(steps), device, "train step", top
+    )
+
+
 def measure_arm(
-    cfg: RunConfig, *, steps: int, warmup: int, peak: float | None = None, deadline: float | None = None
+    cfg: RunConfig,
+    *,
+    steps: int,
+    warmup: int,
+    peak: float | None = None,
+    deadline: float | None = None,
+    max_timed_s: float = 0.0,
+    profile_steps: int = 0,
+    profile_top: int = profiling.TOP,
+    measured: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` of the arm ``cfg`` describes. Past ``deadline``
-    (``time.perf_counter()``) it stops after the current step, keeping at least one timed step."""
+    (``time.perf_counter()``) it stops after the current step, keeping at least one timed step; once the timed steps
+    pass ``max_timed_s`` seconds (0: no limit) it stops after 3 of them (a slow arm's median needs no more).
+
+    ``profile_steps``: then profile that many more steps (``bench.profiling``: top kernels, launches and host
+    synchronisations per step) into ``row["profile"]``, on the model the timed steps compiled; one step when a step
+    takes over a second, none when the deadline is too close. ``measured`` gets the row before the profile runs
+    (``bench.gpu`` keeps it if the item's timer cuts the profile off)."""
     device = resolve_device(cfg.train.device)
     torch.manual_seed(cfg.train.seed)
     model = build_model(cfg.model, device=device)
@@ -118,24 +161,21 @@ def measure_arm(
     tokens = torch.randint(cfg.model.vocab_size, (micro, seq_len + 1), generator=torch.Generator().manual_seed(0))
     n_targets = micro * seq_len
     times: list[float] = []
-    loss = torch.zeros(())
+    loss, finite = torch.zeros(()), True
+    step = 0
     for step in range(warmup + steps):
         if step == warmup and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         t0 = time.perf_counter()
-        model.set_collect_stats(False)
-        model.set_train_progress(step, cfg.train.max_steps)
-        out = engine.micro_step(tokens[:, :-1], tokens[:, 1:], loss_scale=1.0 / n_targets, aux_scale=1.0, sync=True)
-        norm = engine.clip_gradients(cfg.train.grad_clip)
-        finite = bool(torch.isfinite(out.loss_sum)) and bool(torch.isfinite(norm))  # the loop's host sync
-        engine.apply_update(skip=not finite)
+        loss, finite = train_step(model, engine, cfg, tokens, step)
         _sync(device)
         if step >= warmup:
             times.append(time.perf_counter() - t0)
             if deadline is not None and time.perf_counter() > deadline:
                 break
-        loss = out.loss_sum
+            if max_timed_s and len(times) >= 3 and sum(times) > max_timed_s:
+                break
     step_s = statistics.median(times)
     fpt = train_flops_per_token(cfg.model, seq_len)
     tps = n_targets / step_s
@@ -160,7 +200,17 @@ def measure_arm(
         "loss": float(loss) / n_targets,
         "finite": finite,
     }
-    del model, engine, out, norm
+    if measured is not None:
+        measured(row)
+    n_profile = profile_steps if step_s * profile_steps <= 2.0 else min(profile_steps, 1)
+    room = deadline is None or deadline - time.perf_counter() > 1.5 * (n_profile + 1) * step_s + 5.0
+    if n_profile and room:
+        row["profile"] = profile_steps_of(
+            model, engine, cfg, tokens, range(step + 1, step + 1 + n_profile), profile_top
+        )
+    elif n_profile:
+        row["profile"] = {"what": "train step", "steps": 0, "error": "not profiled: too close to the deadline"}
+    del model, engine
     release(device)
     return row
 

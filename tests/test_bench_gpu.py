@@ -1,5 +1,7 @@
 """The GPU suite (``bench.gpu``) and the training-step benchmark (``bench.train_step``) on CPU: the MFU arithmetic
-against hand counts, the suite's budget / error handling, and its quick run's two reports."""
+against hand counts, the suite's budget / error handling (a cut-off item keeps its rows), the profiles
+(``bench.profiling``: the CUDA summary on synthetic events, the CPU one on real ones) in both reports, the shapes the
+headline states, and the quick run's two reports."""
 
 from __future__ import annotations
 
@@ -8,8 +10,10 @@ import resource
 import time
 
 import pytest
+import torch
 
-from bench import gpu, gpu_report, train_step
+from bench import attention as attn
+from bench import gpu, gpu_report, profiling, train_step
 from model.config import ModelConfig, preset_dict
 from model.counts import count_parameters, flops_per_token
 from pretrain.metrics import peak_flops_for_name
@@ -104,14 +108,14 @@ def _report(tmp_path) -> dict:
 
 
 def test_the_run_reports_errors_and_cut_off_items_and_goes_on(tmp_path):
-    def fails(deadline: float) -> dict:
+    def fails(deadline: float, sofar: dict) -> dict:
         raise ValueError("no kernel for this")
 
-    def hangs(deadline: float) -> dict:
+    def hangs(deadline: float, sofar: dict) -> dict:
         while True:
             time.sleep(0.01)
 
-    def works(deadline: float) -> dict:
+    def works(deadline: float, sofar: dict) -> dict:
         return {"value": 1}
 
     items = [
@@ -169,6 +173,7 @@ def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
     assert meta["finished"] and meta["quick"] and meta["command"].startswith("python -m bench.gpu --device cpu --quick")
     names = [i["name"] for i in report["items"]]
     assert names[0] == "train llama-1.3b full" and "tests" in names and names[-1].startswith("focus hard long")
+    assert "focus hard forward llama-1.3b" in names and "tests shared suite" not in names  # CI runs that suite
     assert {i["name"]: i["status"] for i in report["items"] if i["status"] != "ok"} == {}
     trains = [i["result"] for i in report["items"] if i["name"].startswith("train ")]
     assert {r["kind"] for r in trains} == set(train_step.trainable_variants())
@@ -182,9 +187,236 @@ def test_quick_suite_on_cpu_writes_both_reports(tmp_path):
     assert {r["kind"] for r in decode["decode"]} == {"full", "focus", "dga"}
     whats = [h["what"] for h in report["headline"]]
     assert any("dga step time" in w for w in whats) and any("forward / full's" in w for w in whats)
+    assert any("(batch 1, 16 heads x 128 (llama-1.3b), float32)" in w for w in whats)  # the second shape, stated
+    # every training arm and every attention row profiled (CPU operators here: no kernels, no syncs)
+    profiled = {(p["item"], p["case"]) for p in report["profiles"] if "error" not in p}
+    assert {(i["name"], i["result"]["kind"]) for i in report["items"] if i["name"].startswith("train ")} <= profiled
+    rows = [(i["name"], r["case"]) for i in report["items"] for r in i["result"].get("forward", [])]
+    rows += [(i["name"], r["case"]) for i in report["items"] for r in i["result"].get("decode", [])]
+    assert rows and set(rows) <= profiled
+    assert all(p["kernels"] is None and p["syncs"] is None and p["top"] for p in report["profiles"])
     md = (tmp_path / "gpu_suite.md").read_text()
     for needle in ("## Headline", "## Training step", "## Attention", meta["commit"], meta["device"], "torch "):
         assert needle in md, needle
+    assert "## Where the time goes (`torch.profiler`)" in md and "**On CPU (this run): no device.**" in md
+    assert "| train llama-1.3b lazy | lazy | T=128, micro-batch 2," in md
     # CPU time, not wall time, so that the check holds however loaded the machine is: 13-14 s measured on the
     # 2-core VM, where the wall time was 53-72 s at a load average of 16-18
     assert cpu < 30, f"the quick suite took {cpu:.0f} s of CPU time"
+
+
+# ---- profiles (bench.profiling) -------------------------------------------------------------------------------------
+def _cuda_trace(torch_2_13: bool) -> list[profiling.Ev]:
+    """Two profiled steps as the CUDA profiler records them: per step 2 GEMMs (300 us each), an elementwise kernel
+    (40 us) and a Triton kernel (50 us) behind 3 runtime and 1 driver launch, a device-to-host copy (10 us), one
+    ``cudaStreamSynchronize`` (a ``.item()``); the GPU side of the record_function ranges (the step's, inductor's);
+    the profiler's own ``cudaDeviceSynchronize`` after the steps. torch 2.11 names no activity types (the GPU side of
+    a range is known by its name); 2.13 does."""
+
+    def ev(name, device, start, end, annotation=False, activity=""):
+        return profiling.Ev(name, device, start, end, 7, annotation, activity if torch_2_13 else "")
+
+    call = "## Call CompiledFxGraph f0 ##"
+    events = [ev("cudaDeviceSynchronize", False, 2100, 2200, activity="cuda_runtime")]
+    for off in (0, 1000):
+        events += [
+            ev(profiling.STEP, False, off, off + 1000, True, "user_annotation"),
+            ev(call, False, off + 5, off + 600, True, "user_annotation"),
+            ev("aten::mm", False, off + 10, off + 30, activity="cpu_op"),
+            ev("cudaLaunchKernel", False, off + 20, off + 25, activity="cuda_runtime"),
+            ev("cudaLaunchKernel", False, off + 40, off + 45, activity="cuda_runtime"),
+            ev("cudaLaunchKernel", False, off + 50, off + 55, activity="cuda_runtime"),
+            ev("cuLaunchKernelEx", False, off + 60, off + 65, activity="cuda_driver"),
+            ev("cudaMemcpyAsync", False, off + 70, off + 75, activity="cuda_runtime"),
+            ev("cudaStreamSynchronize", False, off + 80, off + 900, activity="cuda_runtime"),
+            ev(profiling.STEP, True, off + 20, off + 950, activity="gpu_user_annotation"),
+            ev(call, True, off + 20, off + 800, activity="gpu_user_annotation"),
+            ev("ampere_bf16_gemm_128x128", True, off + 100, off + 400, activity="kernel"),
+            ev("ampere_bf16_gemm_128x128", True, off + 400, off + 700, activity="kernel"),
+            ev("void at::native::vectorized_elementwise_kernel<4>", True, off + 700, off + 740, activity="kernel"),
+            ev("triton_poi_fused_add_0", True, off + 740, off + 790, activity="kernel"),
+            ev("Memcpy DtoH (Device -> Pageable)", True, off + 790, off + 800, activity="gpu_memcpy"),
+        ]
+    return events
+
+
+@pytest.mark.parametrize("torch_2_13", [False, True], ids=["no-activity-types", "activity-types"])
+def test_cuda_profile_counts_kernels_launches_and_syncs_per_step(torch_2_13):
+    summary = profiling.summarize(_cuda_trace(torch_2_13), steps=2, device="cuda", top=3)
+    assert (summary["kernels"], summary["copies"], summary["launch_calls"], summary["syncs"]) == (4, 1, 4, 1)
+    assert summary["sync_calls"] == {"cudaStreamSynchronize": 1}  # not the profiler's cudaDeviceSynchronize
+    assert summary["wall_ms"] == pytest.approx(1.0) and summary["busy_ms"] == pytest.approx(0.7)
+    top = summary["top"]
+    assert [k["name"] for k in top] == [
+        "ampere_bf16_gemm_128x128",
+        "triton_poi_fused_add_0",
+        "void at::native::vectorized_elementwise_kernel<4>",
+    ]
+    assert (top[0]["calls"], top[0]["ms"], top[0]["share"]) == (2, pytest.approx(0.6), pytest.approx(0.6 / 0.7))
+
+
+def test_cuda_profile_without_device_records_says_so():
+    host_only = [e for e in _cuda_trace(False) if not e.device]
+    summary = profiling.summarize(host_only, steps=2, device="cuda")
+    assert summary["kernels"] is None and summary["top"] == [] and "CUPTI" in summary["note"]
+    assert summary["syncs"] == 1  # the host side is still read
+
+
+def test_cpu_profile_ranks_operators_as_torch_does():
+    """On CPU the top rows are operators by self CPU time, read from the raw results, as torch's own key_averages
+    ranks them; kernels, launches and synchronisations are n/a (None)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    x = torch.randn(96, 96, requires_grad=True)
+
+    def step():
+        (x @ x @ x).relu().sum().backward()
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            with record_function(profiling.STEP):
+                step()
+    events, source = profiling.events_of(prof)
+    assert source == "kineto results"
+    summary = profiling.summarize(events, steps=2, device="cpu")
+    assert summary["kernels"] is summary["syncs"] is summary["launch_calls"] is None
+    theirs = max((e for e in prof.key_averages() if e.key != profiling.STEP), key=lambda e: e.self_cpu_time_total)
+    mine = summary["top"][0]
+    assert mine["name"] == theirs.key == "aten::mm"
+    # within 2%: torch nests a few children differently (a re-entered op folded into its parent), same totals
+    assert mine["ms"] == pytest.approx(theirs.self_cpu_time_total / 2 / 1e3, rel=0.02)
+    assert mine["calls"] == theirs.count / 2 == 6  # 2 forward, 4 backward
+    # the slower reading gives the same figures
+    again = profiling.summarize(profiling.from_function_events(prof.events()), steps=2, device="cpu")
+    assert again["top"][0]["name"] == "aten::mm" and again["top"][0]["ms"] == pytest.approx(mine["ms"], rel=0.02)
+    assert profiling.safe_profile(lambda: 1 / 0, 1, "cpu", "fwd")["error"] == "ZeroDivisionError: division by zero"
+
+
+def test_training_arm_profiles_after_its_timed_steps_and_stops_slow_arms_after_three():
+    cfg = train_step.arm_config("llama-124m", "full", seq_len=64, device="cpu", quick=True)
+    seen: list[dict] = []
+    row = train_step.measure_arm(
+        cfg,
+        steps=6,
+        warmup=0,
+        max_timed_s=1e-9,
+        profile_steps=1,
+        profile_top=4,
+        measured=lambda r: seen.append(dict(r)),
+    )
+    assert row["steps"] == 3  # past max_timed_s: three timed steps, not six
+    assert seen and "profile" not in seen[0]  # the row went out before the profile ran
+    prof = row["profile"]
+    assert (prof["what"], prof["steps"], prof["kernels"], prof["activity"]) == ("train step", 1, None, "cpu")
+    assert 0 < len(prof["top"]) <= 4 and prof["wall_ms"] > 0
+
+
+# ---- shapes, cut-off items and the reports ---------------------------------------------------------------------------
+def _attention_report(tmp_path, dtype: str = "float32") -> dict:
+    report = _report(tmp_path)
+    report["attention_meta"] = {
+        "date": "today",
+        "device": "cpu",
+        "command": "test",
+        "dtype": dtype,
+        "repeat": 1,
+        "steps": 2,
+        "loadavg_start": "-",
+        "loadavg_end": "-",
+        "memory_method": "not measured (quick)",
+    }
+    return report
+
+
+def test_the_llama_attention_shape_holds_32k_tokens():
+    shape = attn.preset_shape("llama-1.3b")
+    assert shape(4096) == attn.Shape(8, 16, 128, "llama-1.3b")
+    assert (shape(16384).batch, shape(65536).batch, shape(1048576).batch) == (2, 1, 1)
+    assert attn.small_shape(4096) == attn.Shape(1, 4, 64, "small")
+    assert shape(16384).text() == "batch 2, 16 heads x 128 (llama-1.3b)"
+
+
+def test_cut_off_attention_item_keeps_its_rows_and_the_headline_states_the_shape(tmp_path, monkeypatch):
+    """The timer stops an attention item while it builds its second case: the report keeps the first case's row
+    (with its profile) in both files; the headline names each row's shape."""
+    plan = gpu.QUICK_PLAN
+    chosen = gpu.cases((gpu.FOCUS_HARD_MAIN,), backward=False)
+    make = attn.make
+
+    def cut_at_focus(kind, options, max_len, device, dtype, shape=attn.SMALL):
+        if kind == "focus" and shape.heads == 16:
+            raise gpu.Cutoff  # what the item's timer raises
+        return make(kind, options, max_len, device, dtype, shape)
+
+    monkeypatch.setattr(attn, "make", cut_at_focus)
+    items = [
+        gpu.Item("focus hard forward", gpu.forward_item(chosen, [64], "cpu", plan, True), cap_s=60, min_s=0),
+        gpu.Item("focus hard forward llama-1.3b", gpu.forward_item(chosen, [64], "cpu", plan, True, "llama-1.3b"), 60),
+    ]
+    items[1].min_s = 0
+    report = _attention_report(tmp_path)
+    gpu.run_items(items, report, tmp_path, "cpu", budget_s=120.0)
+    small, big = report["items"]
+    assert small["status"] == "ok" and [r["case"] for r in small["result"]["forward"]] == [c.label for c in chosen]
+    assert big["status"] == "cut off" and "kept the 1 row measured before" in big["note"]
+    (row,) = big["result"]["forward"]
+    assert (row["case"], row["batch"], row["heads"], row["head_dim"]) == ("full (SDPA)", 4, 16, 128)
+    assert row["profile"]["what"] == "fwd" and row["profile"]["top"]
+    saved = json.loads((tmp_path / "gpu_suite.json").read_text())
+    assert saved["items"][1]["result"]["forward"][0]["case"] == "full (SDPA)"
+    whats = [h["what"] for h in saved["headline"]]
+    assert f"{gpu.FOCUS_HARD_MAIN} forward / full's at T=64 (batch 1, 4 heads x 64, float32)" in whats
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "| focus hard forward llama-1.3b | cut off |" in md
+    assert "### Forward and forward+backward, one layer, batch 4, 16 heads x 128 (llama-1.3b), float32" in md
+    assert "| full (SDPA) | 64 |" in md.split("batch 4, 16 heads x 128")[1]  # the kept row, under its shape
+    profiles = saved["profiles"]
+    assert [(p["item"], p["case"]) for p in profiles] == [
+        ("focus hard forward", "full (SDPA)"),
+        ("focus hard forward", gpu.FOCUS_HARD_MAIN),
+        ("focus hard forward llama-1.3b", "full (SDPA)"),
+    ]
+    assert profiles[2]["shape"] == "T=64, batch 4, 16 heads x 128 (llama-1.3b), float32"
+    assert "| focus hard forward llama-1.3b | full (SDPA) | T=64, batch 4, 16 heads x 128 (llama-1.3b)" in md
+
+
+def test_profiles_reach_both_reports(tmp_path):
+    """A training arm's CUDA profile (synthetic events) is listed in gpu_suite.json's ``profiles`` and in
+    gpu_suite.md's section: kernels, launches, syncs per step, the top kernels and the sync calls by name."""
+    report = _report(tmp_path)
+    report["meta"]["device_kind"] = "cuda"
+    prof = profiling.summarize(_cuda_trace(True), steps=2, device="cuda")
+    row = {
+        "preset": "llama-1.3b",
+        "kind": "full",
+        "seq_len": 4096,
+        "micro_batch": 2,
+        "steps": 10,
+        "precision": "bf16",
+        "compile": True,
+        "activation_checkpointing": "selective",
+        "step_s": 0.2,
+        "tokens_per_s": 40960.0,
+        "peak_memory_gib": 20.0,
+        "peak_flops": 989e12,
+        "mfu": 0.42,
+        "profile": {**prof, "what": "train step"},
+    }
+    report["items"].append({"name": "train llama-1.3b full", "status": "ok", "seconds": 1.0, "result": row})
+    gpu_report.write(report, tmp_path)
+    (saved,) = json.loads((tmp_path / "gpu_suite.json").read_text())["profiles"]
+    assert (saved["item"], saved["case"], saved["shape"]) == (
+        "train llama-1.3b full",
+        "full",
+        "T=4096, micro-batch 2, bf16",
+    )
+    assert (saved["kernels"], saved["launch_calls"], saved["syncs"]) == (4, 4, 1)
+    md = (tmp_path / "gpu_suite.md").read_text()
+    assert "## Where the time goes (`torch.profiler`)" in md and "On CPU" not in md
+    assert (
+        "| train llama-1.3b full | full | T=4096, micro-batch 2, bf16 | train step | 2 | 1.00 | 0.70 | 4 | 4 | 1 |"
+        in md
+    )
+    assert "| train llama-1.3b full | full | 1 | `ampere_bf16_gemm_128x128` | 2 | 0.600 | 85.7% |" in md
+    assert "- train llama-1.3b full, full: `cudaStreamSynchronize` 1" in md
