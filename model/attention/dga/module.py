@@ -122,9 +122,11 @@ class DynamicGroupAttention(GroupedKVCache):
         km, vm = ref.take_rows(k, members - k_base), ref.take_rows(v, members - k_base)  # [B, H, U, g, m, D]
         q_last = ref.take_rows(q, members[..., -1] - q_base)  # [B, H, U, g, D]
         # products as matmuls: no [B, H, U, g, m, D] temporary
-        p = torch.softmax(torch.matmul(km.to(dt), q_last.to(dt)[..., None])[..., 0] * self.scale, dim=-1)
-        agg_k = torch.matmul(p[..., None, :], km.to(dt))[..., 0, :].to(k.dtype)
-        agg_v = torch.matmul(p[..., None, :], vm.to(dt))[..., 0, :].to(v.dtype)
+        # the matmuls in the inputs' dtype (bf16 on the GPU: no float32 copies of the gathered members, which are the
+        # size of K and V), the softmax over each group in float32 or wider; float32 / float64 inputs: unchanged
+        p = torch.softmax(torch.matmul(km, q_last[..., None])[..., 0].to(dt) * self.scale, dim=-1)
+        agg_k = torch.matmul(p.to(k.dtype)[..., None, :], km)[..., 0, :]
+        agg_v = torch.matmul(p.to(v.dtype)[..., None, :], vm)[..., 0, :]
         return Compressed(
             focal_pos, members, ref.take_rows(k, focal_pos - k_base), ref.take_rows(v, focal_pos - k_base), agg_k, agg_v
         )
