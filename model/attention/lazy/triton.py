@@ -111,25 +111,31 @@ def _fwd_kernel(
     den = tl.zeros([BLOCK], acc_t)
     o = tl.zeros([BLOCK, BD], acc_t)
     a = tl.zeros([BLOCK, BD], acc_t)
-    one_pass = tau < 0  # the relu never fires: softmax attention + |c| * sum_j v_j in one pass
-    for J in range(0, qb + 1):
-        kpos = J * BLOCK + tl.arange(0, BLOCK)
-        s, vis = _scores(q, k_ptr, bias_ptr, kpos, pos, d, k_base, skt, D, Tk, h * sbias, last, scale, PREC)
-        m_new = tl.maximum(m, tl.max(s, 1))
-        r = tl.exp(m - m_new)
-        e = tl.exp(s - m_new[:, None])
-        den = den * r + tl.sum(e, 1)
-        m = m_new
-        if one_pass:
+    lse = tl.zeros([BLOCK], acc_t)
+    if tau < 0:  # the relu never fires: softmax attention + |c| * sum_j v_j, in one pass
+        for J in range(0, qb + 1):
+            kpos = J * BLOCK + tl.arange(0, BLOCK)
+            s, vis = _scores(q, k_ptr, bias_ptr, kpos, pos, d, k_base, skt, D, Tk, h * sbias, last, scale, PREC)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            r = tl.exp(m - m_new)
+            e = tl.exp(s - m_new[:, None])
+            den = den * r + tl.sum(e, 1)
+            m = m_new
             vt = tl.load(
                 v_ptr + v_base + kpos[:, None] * svt + d[None, :], mask=(kpos[:, None] < Tk) & (d[None, :] < D)
             )
             o = o * r[:, None] + tl.dot(e.to(vt.dtype), vt, input_precision=PREC).to(acc_t)
             a += tl.dot(vis.to(vt.dtype), vt, input_precision=PREC).to(acc_t)
-    lse = m + tl.log(den)
-    if one_pass:
+        lse = m + tl.log(den)
         o = o / den[:, None] - c[:, None] * a
-    else:
+    else:  # pass 1: the row logsumexp; pass 2: relu(p - c) @ v
+        for J in range(0, qb + 1):
+            kpos = J * BLOCK + tl.arange(0, BLOCK)
+            s, vis = _scores(q, k_ptr, bias_ptr, kpos, pos, d, k_base, skt, D, Tk, h * sbias, last, scale, PREC)
+            m_new = tl.maximum(m, tl.max(s, 1))
+            den = den * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+            m = m_new
+        lse = m + tl.log(den)
         for J in range(0, qb + 1):
             kpos = J * BLOCK + tl.arange(0, BLOCK)
             s, vis = _scores(q, k_ptr, bias_ptr, kpos, pos, d, k_base, skt, D, Tk, h * sbias, last, scale, PREC)
@@ -317,6 +323,10 @@ def _precision(q: Tensor) -> str:
     return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
 
 
+def _warps(bd: int) -> int:
+    return 4 if bd <= 64 else 8  # registers for the [BLOCK, 128] float32 accumulators (o, a); to tune on the GPU
+
+
 def _acc_dtype(q: Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
@@ -340,7 +350,7 @@ def _forward_op(
     _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
         q, k, v, bias, tau, out, lse, a, *_strides(q, k, v), bias.stride(0),
         scale, p, tq, k.shape[2], last, hq, group, dim,
-        BLOCK=block, BD=bd, PREC=_precision(q),
+        BLOCK=block, BD=bd, PREC=_precision(q), num_warps=_warps(bd),
     )  # fmt: skip
     return out, lse, a
 
@@ -372,7 +382,7 @@ def _backward_op(
     n_diag = -(-(p + tq) // block)  # block diagonals e = I - J with a visible pair
     partials = torch.empty(hq, n_diag, block, block, dtype=acc, device=q.device)
     common = (*_strides(q, k, v), bias.stride(0), scale, p, tq, k.shape[2], last, hq, group, dim)
-    meta = dict(BLOCK=block, BD=bd, PREC=_precision(q))
+    meta = dict(BLOCK=block, BD=bd, PREC=_precision(q), num_warps=_warps(bd))
     kernels = _kernels()
     kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, bias, tau, do, lse, delta, dq, *common, **meta)
     kernels["_dkv_kernel"][(n_keys, batch * k.shape[1])](q, k, v, bias, tau, do, lse, delta, dk, dv, *common, **meta)
