@@ -229,3 +229,25 @@ def test_imports_without_triton():
         "assert not LazyAttention.triton_supports(torch.zeros(1, 1, 8, 16))\n"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+@parent
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1000, 1000), (300, 777), (1, 513)], ids=["ragged", "offset", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_compiled_kernels_match_reference(dtype, shape):
+    """On a GPU (compiled kernels, BLOCK = 64): a ragged length, GQA, queries at an offset, a clamped table, both
+    tau signs, against the float64 reference of the same inputs; and the module takes this path for CUDA tensors."""
+    tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
+    tq, tk = shape
+    inputs, w = make(2, 8, 2, tq, tk, 128, 256, [1.0, 0.5, 0.05, 0.0, -0.05, -0.5, -1.0, 2.0])
+    inputs, w = [x.cuda() for x in inputs], w.cuda()
+    scale, last = 128**-0.5, 255
+    inputs = [x.to(dtype) for x in inputs[:3]] + [x.float() for x in inputs[3:]]  # parameters stay float32
+    got = values_and_grads(lambda *x: lazy_triton.elastic_triton(*x, scale, last), inputs, w)
+    # the reference of the same (rounded) inputs: what is measured is the kernel's arithmetic
+    want = values_and_grads(lambda *x: reference(*x, scale, last), [x.double() for x in inputs], w)
+    for name, a, e in zip(NAMES, got, want):
+        atol = tol * max(1.0, e.abs().max().item())
+        torch.testing.assert_close(a, e, rtol=tol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    assert lazy_module([1.0] * 4).cuda().triton_supports(torch.zeros(1, 4, 8, 16, device="cuda"))
