@@ -11,8 +11,8 @@ discrimination plus Elastic-Softmax.
 
 Rooms: ``config.py`` (LazyConfig, the ALiBi init slopes), ``module.py`` (LazyAttention and its choice of path),
 ``naive.py`` (the dense reference, plain functions), ``cpu.py`` (the CPU fast path: two passes over block diagonals,
-exact, memory linear in T), ``flex.py`` (the fast path where FlexAttention is compiled: two FlexAttention passes,
-appendix F).
+exact, memory linear in T), ``triton.py`` (the CUDA fast path: fused Triton kernels, forward and backward),
+``flex.py`` (two FlexAttention passes, appendix F: CUDA without triton).
 """
 
 from model.attention.common.base import register_attention

@@ -5,7 +5,9 @@
   backward (a ``torch.autograd.Function``), exact, memory linear in T; from ``MIN_ROWS`` queries (training, prefill,
   chunked prefill); decode and shorter chunks take the reference, which is O(Tq * Tk) there. Sink ratio and density
   come from its weights (a row sum per block, on logging steps).
-- FlexAttention fast path (``flex.py``): two FlexAttention passes, where FlexAttention is compiled (CUDA).
+- Triton fast path (``triton.py``): fused forward and backward kernels, on CUDA where triton imports.
+- FlexAttention path (``flex.py``): two FlexAttention passes, on CUDA without triton, and wherever
+  ``gpu_paths_forced()`` sends CPU tensors (the compile tests trace it: the Triton path takes CUDA tensors only).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, KVCache, LayerSpec
 from model.attention.common.flex import flex_supports
 from model.attention.lazy import naive
+from model.attention.lazy import triton as lazy_triton
 from model.attention.lazy.config import LazyConfig, alibi_slopes
 from model.attention.lazy.cpu import MIN_ROWS, elastic_blockwise, kernel_dtypes
 from model.attention.lazy.flex import elastic_flex
@@ -72,7 +75,12 @@ class LazyAttention(Attention):
         return AttnOut(ref.weighted_values(a, v, q.dtype), stats=stats)
 
     def has_fast_path(self, q: Tensor, cache: KVCache | None) -> bool:
-        return flex_supports(q) or self.blockwise_supports(q)
+        return self.triton_supports(q) or flex_supports(q) or self.blockwise_supports(q)
+
+    @staticmethod
+    def triton_supports(q: Tensor) -> bool:
+        """CUDA tensors where triton imports (``triton.py``); CPU tensors never, also under ``gpu_paths_forced``."""
+        return q.is_cuda and q.dtype in kernel_dtypes() and lazy_triton.available()
 
     @staticmethod
     def blockwise_supports(q: Tensor) -> bool:
@@ -93,7 +101,10 @@ class LazyAttention(Attention):
         cache: KVCache | None,
     ) -> AttnOut:
         """Queries are at positions ``Tk - Tq .. Tk - 1`` and keys at ``0 .. Tk - 1``, which is what the base
-        class passes (training, prefill, decode): blockwise on CPU, else two FlexAttention passes."""
+        class passes (training, prefill, decode): the Triton kernels on CUDA, else two FlexAttention passes where
+        ``flex_supports`` (CUDA without triton; CPU tensors under ``gpu_paths_forced``), else blockwise on CPU."""
+        if self.triton_supports(q):
+            return self.triton(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
         if flex_supports(q):  # first: gpu_paths_forced() traces the GPU path on CPU tensors
             return self.flex(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
         return self.blockwise(q, k, v, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=cache)
@@ -131,5 +142,22 @@ class LazyAttention(Attention):
         scale = 1.0 / math.sqrt(self.spec.head_dim)
         out = elastic_flex(q, k, v, self.distance_bias, self.tau, q_pos, scale, self.table - 1)
         # sink ratio and density need the dense weights: the reference path and eval.run attention_stats give them
+        stats = {"tau": self.tau.mean().detach()} if self.collect_stats else {}
+        return AttnOut(out, stats=stats)
+
+    def triton(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        hidden: Tensor | None,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        cache: KVCache | None,
+    ) -> AttnOut:
+        """Fused Triton kernels, forward and backward (``triton.py``); queries at ``Tk - Tq .. Tk - 1``."""
+        scale = 1.0 / math.sqrt(self.spec.head_dim)
+        out = lazy_triton.elastic_triton(q, k, v, self.distance_bias, self.tau, scale, self.table - 1)
         stats = {"tau": self.tau.mean().detach()} if self.collect_stats else {}
         return AttnOut(out, stats=stats)

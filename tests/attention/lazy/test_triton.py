@@ -1,0 +1,253 @@
+"""Lazy attention's Triton kernels (model/attention/lazy/triton.py) against the float64 dense reference, run on CPU
+tensors by Triton's interpreter: values and all five gradients (q, k, v, bias table, tau) at lengths that leave
+ragged last blocks, both signs of tau (and mixed per head), GQA, queries at an offset, a table shorter than the
+context; the reduction scheme (no atomics); the module's choice of path; the op under torch.compile.
+
+The interpreter must be on when triton is first imported (triton.language's own jitted helpers, ``tl.zeros``, are
+interpreted only then), and other tests import triton without it (inductor does): so the kernel tests run in a
+child pytest over this file with ``TRITON_INTERPRET=1`` (``test_kernels_under_the_interpreter``, about 30 s), and
+nothing of the interpreter reaches another test. Run directly with the variable set, the file runs those tests.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from model.attention import LayerSpec, build_attention
+from model.attention.common.flex import gpu_paths_forced
+from model.attention.lazy import LazyConfig, naive
+from model.attention.lazy import triton as lazy_triton
+from tests.conftest import REPO
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def numpy_scalars():
+    """Triton 3.6's interpreter converts a scalar (a one-element array) to an int with ``int(array)``, which numpy 2.4
+    refuses (triton-lang/triton#9171, fixed after 3.6); a loop bound from ``program_id`` or an argument needs it: take
+    the element explicitly while this module runs."""
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime import interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
+        yield
+
+
+def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
+    """A test of the child pytest only (a module attribute of None is not collected: no skip in the parent)."""
+    return test if INTERPRETED else None
+
+
+def parent(test: Callable[..., None]) -> Callable[..., None] | None:
+    """A test of the parent pytest only (it needs no interpreter)."""
+    return None if INTERPRETED else test
+
+
+@parent
+def test_kernels_under_the_interpreter():
+    """This file's interpreted tests, in a child pytest with ``TRITON_INTERPRET=1`` set before triton is imported."""
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
+    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
+    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-5000:]
+
+
+def make(b, h, hk, tq, tk, d, table, taus, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, tq, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, hk, tk, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, hk, tk, d, generator=g, dtype=torch.float64)
+    bias = torch.randn(h, table, generator=g, dtype=torch.float64)
+    tau = torch.tensor(taus, dtype=torch.float64)
+    w = torch.randn(b, h, tq, d, generator=g, dtype=torch.float64)
+    return [x.to(dtype) for x in (q, k, v, bias, tau)], w
+
+
+def reference(q, k, v, bias, tau, scale, last):
+    rep = q.shape[1] // k.shape[1]
+    tq, tk = q.shape[2], k.shape[2]
+    return naive.attention(
+        q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), torch.arange(tk - tq, tk), torch.arange(tk),
+        bias, tau, scale, last,
+    )  # fmt: skip
+
+
+def values_and_grads(fn, inputs, w):
+    leaves = [x.detach().clone().requires_grad_() for x in inputs]
+    out = fn(*leaves)
+    grads = torch.autograd.grad((out.double() * w).sum(), leaves)
+    return [out.double(), *(g.double() for g in grads)]
+
+
+NAMES = ("out", "dq", "dk", "dv", "dbias", "dtau")
+# (batch, heads, kv heads, Tq, Tk, head dim, table, tau per head, block)
+CASES = {
+    # ragged last block; table shorter than the context (distances past 15 read the last entry); tau = 1 puts the
+    # first query's only weight on the threshold; tau = 0; GQA
+    "mixed-gqa-ragged": (2, 4, 2, 37, 37, 16, 16, [1.0, 0.4, -0.5, 0.0], 16),
+    "negative-one-pass": (1, 2, 2, 50, 50, 16, 64, [-1.0, -0.05], 16),  # the relu never fires: one pass
+    "positive-mha": (1, 3, 3, 45, 45, 16, 8, [2.0, 0.3, 1.0], 32),
+    "offset-context-parallel": (2, 4, 1, 20, 45, 16, 64, [-0.3, 0.7, 1.0, -1.0], 16),  # queries at 25 .. 44
+    "offset-inside-a-block": (1, 2, 1, 7, 29, 24, 12, [0.5, -0.5], 16),  # head dim 24: padded to 32
+    "decode": (2, 2, 1, 1, 33, 16, 16, [1.0, -0.5], 16),
+    "one-token": (1, 2, 2, 1, 1, 16, 4, [1.0, -0.5], 16),
+    "long-ragged": (1, 2, 1, 200, 200, 16, 200, [0.5, -0.2], 32),
+}
+
+
+@interpreted
+@pytest.mark.parametrize("case", CASES)
+def test_matches_float64_reference(case):
+    b, h, hk, tq, tk, d, table, taus, block = CASES[case]
+    inputs, w = make(b, h, hk, tq, tk, d, table, taus)
+    scale, last = 1.0 / math.sqrt(d), table - 1
+    got = values_and_grads(lambda *x: lazy_triton.elastic_triton(*x, scale, last, block=block), inputs, w)
+    want = values_and_grads(lambda *x: reference(*x, scale, last), inputs, w)
+    for name, a, e in zip(NAMES, got, want):
+        assert a.shape == e.shape, name
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"{case} {name}: {m}")
+
+
+@interpreted
+def test_float32_within_tolerance():
+    """float32 inputs (float32 accumulators, ieee dots) against the float64 reference."""
+    inputs, w = make(2, 4, 2, 37, 37, 16, 16, [1.0, 0.4, -0.5, 0.0])
+    scale, last = 0.25, 15
+    got = values_and_grads(lambda *x: lazy_triton.elastic_triton(*x, scale, last), [x.float() for x in inputs], w)
+    want = values_and_grads(lambda *x: reference(*x, scale, last), inputs, w)
+    for name, a, e in zip(NAMES, got, want):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@parent
+def test_backward_has_no_atomics_and_bias_partials_fold_by_distance():
+    """d bias and d tau are reduced without atomics: a partials buffer [H, diagonals, BLOCK, BLOCK] written once per
+    program, whose entry (e, a, b) folds onto distance clamp(e * BLOCK + a - b, 0, last); d tau from per-row sums."""
+    source = inspect.getsource(lazy_triton)
+    assert "tl.atomic" not in source
+    block, n_diag, last = 4, 3, 6
+    index = lazy_triton._distances(n_diag, block, last, torch.device("cpu")).reshape(n_diag, block, block)
+    for e in range(n_diag):
+        for a in range(block):
+            for b in range(block):
+                assert index[e, a, b] == min(max(e * block + a - b, 0), last)
+
+
+def lazy_module(taus, table=16, seed=5):
+    spec = LayerSpec(64, 4, 2, 16, max_seq_len=256, layer_idx=0, n_layers=1)
+    module = build_attention("lazy", LazyConfig(max_distance=table), spec).double()
+    with torch.no_grad():
+        module.distance_bias.normal_(0, 2.0, generator=torch.Generator().manual_seed(seed))
+        module.tau.copy_(torch.tensor(taus, dtype=torch.float64))
+    return module
+
+
+@interpreted
+def test_module_triton_path_matches_reference():
+    """The module's ``triton`` path (called directly: CPU tensors never choose it) against its ``reference``."""
+    module = lazy_module([1.0, -0.5, 0.3, 0.0])
+    (q, k, v, _, _), w = make(2, 4, 2, 21, 40, 16, 16, [0.0] * 4)
+    q_pos, k_pos = torch.arange(19, 40), torch.arange(40)
+    hidden = torch.zeros(2, 21, 64, dtype=torch.float64)
+    results = []
+    for path in (module.triton, module.reference):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        module.zero_grad()
+        out = path(*leaves, hidden=hidden, q_pos=q_pos, k_pos=k_pos, cache=None).output
+        (out * w).sum().backward()
+        results.append([out.detach(), *(x.grad for x in leaves), module.distance_bias.grad, module.tau.grad])
+    for name, a, e in zip(NAMES, *results):
+        torch.testing.assert_close(a, e, rtol=1e-9, atol=1e-10, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@parent
+def test_path_choice_by_device():
+    """CUDA tensors take the Triton path where triton imports; CPU tensors never, not under gpu_paths_forced (the
+    compile tests trace the FlexAttention path there) either."""
+    q = torch.zeros(1, 4, 16, 16)
+    module = lazy_module([1.0] * 4).float()
+    assert not module.triton_supports(q)
+    with gpu_paths_forced():
+        assert not module.triton_supports(q)
+    assert module.triton_supports(q.to("meta").as_subclass(_Cuda)) == lazy_triton.available()
+
+
+class _Cuda(torch.Tensor):
+    """A meta tensor that says it is on CUDA (the path choice reads only ``is_cuda`` and the dtype)."""
+
+    @property
+    def is_cuda(self):
+        return True
+
+
+@interpreted
+def test_compiles_as_one_graph():
+    """Under torch.compile the kernels are two custom ops (forward, backward): one graph, no break."""
+    inputs, w = make(1, 2, 1, 20, 20, 16, 8, [1.0, -0.5])
+
+    def loss(q, k, v, bias, tau):
+        return (lazy_triton.elastic_triton(q, k, v, bias, tau, 0.25, 7, block=16) * w).sum()
+
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    leaves = [x.clone().requires_grad_() for x in inputs]
+    compiled(*leaves).backward()
+    eager = [x.clone().requires_grad_() for x in inputs]
+    loss(*eager).backward()
+    for a, e in zip(leaves, eager):
+        torch.testing.assert_close(a.grad, e.grad, rtol=1e-12, atol=1e-12)
+
+
+@parent
+def test_imports_without_triton():
+    """The product imports (and LazyAttention runs its other paths) where triton is missing."""
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "from model.attention.lazy import triton as t\n"
+        "from model.attention.lazy.module import LazyAttention\n"
+        "import torch\n"
+        "assert not t.available() and t.tl is None\n"
+        "assert not LazyAttention.triton_supports(torch.zeros(1, 1, 8, 16))\n"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+@parent
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", [(1000, 1000), (300, 777), (1, 513)], ids=["ragged", "offset", "decode"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cuda_compiled_kernels_match_reference(dtype, shape):
+    """On a GPU (compiled kernels, BLOCK = 64): a ragged length, GQA, queries at an offset, a clamped table, both
+    tau signs, against the float64 reference of the same inputs; and the module takes this path for CUDA tensors."""
+    tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
+    tq, tk = shape
+    inputs, w = make(2, 8, 2, tq, tk, 128, 256, [1.0, 0.5, 0.05, 0.0, -0.05, -0.5, -1.0, 2.0])
+    inputs, w = [x.cuda() for x in inputs], w.cuda()
+    scale, last = 128**-0.5, 255
+    inputs = [x.to(dtype) for x in inputs[:3]] + [x.float() for x in inputs[3:]]  # parameters stay float32
+    got = values_and_grads(lambda *x: lazy_triton.elastic_triton(*x, scale, last), inputs, w)
+    # the reference of the same (rounded) inputs: what is measured is the kernel's arithmetic
+    want = values_and_grads(lambda *x: reference(*x, scale, last), [x.double() for x in inputs], w)
+    for name, a, e in zip(NAMES, got, want):
+        atol = tol * max(1.0, e.abs().max().item())
+        torch.testing.assert_close(a, e, rtol=tol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+    assert lazy_module([1.0] * 4).cuda().triton_supports(torch.zeros(1, 4, 8, 16, device="cuda"))
