@@ -37,6 +37,11 @@ class LazyAttention(Attention):
 
     no_weight_decay = ("distance_bias", "tau")
 
+    @classmethod
+    def attention_ops(cls) -> tuple[Any, ...]:
+        """The fused Triton forward too: selective activation checkpointing keeps its outputs."""
+        return (*super().attention_ops(), torch.ops.lazy_triton.forward.default)
+
     def __init__(self, cfg: LazyConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
         self.table = cfg.max_distance or spec.max_seq_len
