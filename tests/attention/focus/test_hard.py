@@ -399,3 +399,40 @@ def test_cpu_path_big_groups_run_in_query_chunks(monkeypatch):
     torch.testing.assert_close(fast_out, ref_out, atol=1e-12, rtol=0)
     for a, r in zip(fast_grads, ref_grads):
         torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+
+
+def test_flex_hard_path_computes_about_one_in_k_causal_blocks_at_16k(monkeypatch):
+    """Issue 37, item 6: the block sparsity of the GPU hard path, read off the BlockMasks its two FlexAttention calls
+    receive (partial + full key blocks per query block), at T = 16384, K = 8, w = 128, groups planted balanced
+    (token i in group i % K). Bound: (1/K + 2w/T) of the causal blocks, plus one block row per segment: each of the
+    K group segments of the sorted layout and the band's one (the original order) rounds its causal staircase up by
+    at most one key block per query block (for w = 128 = the block, a query block's window spans two key blocks)."""
+    from model.attention.focus.hard import flex as focus_flex
+
+    t, n_groups, window = 16384, 8, 128
+    seen: dict[str, tuple[int, int]] = {}
+
+    def recording(compiled, site):
+        def call(q, k, v, *, block_mask, scale, enable_gqa, return_aux):
+            full = block_mask.full_kv_num_blocks
+            seen[site] = (int(block_mask.kv_num_blocks.sum()), 0 if full is None else int(full.sum()))
+            aux = type("Aux", (), {"lse": torch.zeros(q.shape[:3], dtype=torch.float32)})()
+            return torch.zeros_like(q), aux  # no attention computed: only the block structure is read
+
+        return call
+
+    monkeypatch.setattr(focus_flex, "flex_attention_fn", recording)
+    bits = torch.ones(1, t, dtype=torch.long) << (torch.arange(t) % n_groups)
+    q = torch.zeros(1, 1, t, 16)
+    flex_hard_attention(
+        q, q, q, bits_q=bits, bits_k=bits, window=window, scale=1.0, n_groups=n_groups, top_k=1, compiled=False
+    )
+    rows = t // FLEX_BLOCK
+    causal = rows * (rows + 1) // 2
+    group, band = sum(seen["focus_group"]), sum(seen["focus_band"])
+    segment_rows = rows  # the K group segments' block rows together (T / K tokens each)
+    assert group <= causal / n_groups + segment_rows, (group, causal)
+    assert band <= 2 * window / t * causal + rows, (band, causal)
+    bound = (1 / n_groups + 2 * window / t) * causal + segment_rows + rows
+    assert group + band <= bound, f"{group} + {band} blocks of {causal} causal ones, bound {bound:.0f}"
+    assert seen["focus_group"][1] > seen["focus_group"][0], "blocks inside a group below its diagonal are full"
