@@ -8,9 +8,11 @@ statistics the trainer logs; under context parallelism it gathers the group scor
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
@@ -23,7 +25,7 @@ from model.attention.focus.hard import decode_host as host_decode
 from model.attention.focus.hard import group_sparse
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
-from model.attention.focus.hard.flex import flex_hard_attention
+from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
 from model.attention.focus.soft.cpu import cpu_soft_attention, soft_dtypes
@@ -31,6 +33,48 @@ from model.attention.focus.soft.flex import flex_soft_attention
 
 STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
 STATS_BLOCK = 1 << 18  # (query row, key) pairs of the pair statistics computed at once
+
+
+def assign_scores(s: Tensor, cfg: FocusConfig) -> Tensor:
+    """g [B, T, K] of every token of a whole sequence (no cache) from its group scores s [B, T, K]."""
+    if cfg.assignment == "softmax":
+        return torch.softmax(s, dim=-1)
+    if cfg.sinkhorn_scope == "prefix":
+        return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
+    return sinkhorn_sequence(s, cfg.sinkhorn_iters)
+
+
+def hard_inference(
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float
+) -> Tensor:
+    """The whole hard-mode forward of a sequence on the GPU path (group scores, assignments, memberships, the two
+    FlexAttention calls and their merge): what ``FocusAttention`` compiles as one graph for inference on CUDA
+    (``hard_inference_fn``). The same operations as the module's eager path (``group_scores``, ``assign_whole``,
+    ``membership_bits``, ``flex_hard_attention``)."""
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    s = (F.linear(hidden, w_g).to(dtype) @ centroids.to(dtype).T) / cfg.tau
+    bits = membership_bits(assign_scores(s, cfg), cfg.top_k)
+    return flex_hard_attention(
+        q, k, v, bits_q=bits, bits_k=bits, window=cfg.window, scale=scale, n_groups=cfg.n_groups, top_k=cfg.top_k,
+        compiled=True,
+    )  # fmt: skip
+
+
+_HARD_INFERENCE: list[Callable[..., Tensor]] = []
+
+
+def hard_inference_fn() -> Callable[..., Tensor]:
+    """``hard_inference`` compiled once (dynamic shapes; every layer and length shares the graph: its guards are the
+    configuration's values and the tensors' dtypes). Inside, ``flex_attention_fn`` sees the trace and returns plain
+    FlexAttention, which inductor compiles into the same graph. The CPU tests trace it with ``fullgraph=True``."""
+    if not _HARD_INFERENCE:
+        _HARD_INFERENCE.append(torch.compile(hard_inference, dynamic=True))
+    return _HARD_INFERENCE[0]
+
+
+def _compiles_whole(q: Tensor) -> bool:
+    """Whether the hard forward of these queries runs as one compiled graph: on CUDA (tests patch it)."""
+    return q.is_cuda
 
 
 class FocusAttention(Attention):
@@ -128,12 +172,7 @@ class FocusAttention(Attention):
 
     def assign_whole(self, s: Tensor) -> Tensor:
         """g [B, T, K] of every token of a whole sequence (no cache) from its group scores s [B, T, K]."""
-        cfg = self.cfg
-        if cfg.assignment == "softmax":
-            return torch.softmax(s, dim=-1)
-        if cfg.sinkhorn_scope == "prefix":
-            return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
-        return sinkhorn_sequence(s, cfg.sinkhorn_iters)
+        return assign_scores(s, self.cfg)
 
     @staticmethod
     def _cached(cache: KVCache | None, key: str, new: Tensor) -> Tensor:
@@ -200,8 +239,25 @@ class FocusAttention(Attention):
             host = self._hard_decode_host(q, k, v, hidden=hidden, cache=cache)
             if host is not None:
                 return host
+        if self._hard_whole_graph(q, k, cache):
+            torch._assert_async(
+                (q_pos[-1] == q.shape[2] - 1) & (q_pos[0] == 0), "focus hard: positions must be 0 .. T - 1"
+            )
+            out = hard_inference_fn()(q, k, v, hidden, self.w_g.weight, self.centroids, self.cfg, self._scale())
+            return AttnOut(out)  # what ``_out`` returns in plain inference (``_hard_whole_graph``)
         g_q, g_k = self.assignments(hidden, cache)
         return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)
+
+    def _hard_whole_graph(self, q: Tensor, k: Tensor, cache: KVCache | None) -> bool:
+        """Whether this call is a whole-sequence hard-mode forward of plain inference on CUDA (no cache, autograd,
+        loss, statistics or reference batch: nothing reads the assignments), run as one compiled graph
+        (``hard_inference_fn``) rather than op by op. Not while an enclosing torch.compile traces (that graph takes
+        the ops), nor for a sequence within one FlexAttention block (see ``flex_hard_attention``)."""
+        if self.cfg.mode != "hard" or cache is not None or not _compiles_whole(q) or torch.compiler.is_compiling():
+            return False
+        if self.training or self.collect_stats or self.reference_batch or torch.is_grad_enabled():
+            return False
+        return flex_supports(q) and q.shape[2] == k.shape[2] and q.shape[2] * self.cfg.top_k > FLEX_BLOCK
 
     def fast_assigned(
         self,

@@ -399,3 +399,86 @@ def test_cpu_path_big_groups_run_in_query_chunks(monkeypatch):
     torch.testing.assert_close(fast_out, ref_out, atol=1e-12, rtol=0)
     for a, r in zip(fast_grads, ref_grads):
         torch.testing.assert_close(a, r, atol=1e-11, rtol=0)
+
+
+def test_flex_hard_path_computes_about_one_in_k_causal_blocks_at_16k(monkeypatch):
+    """Issue 37, item 6: the block sparsity of the GPU hard path, read off the BlockMasks its two FlexAttention calls
+    receive (partial + full key blocks per query block), at T = 16384, K = 8, w = 128, groups planted balanced
+    (token i in group i % K). Bound: (1/K + 2w/T) of the causal blocks, plus one block row per segment: each of the
+    K group segments of the sorted layout and the band's one (the original order) rounds its causal staircase up by
+    at most one key block per query block (for w = 128 = the block, a query block's window spans two key blocks)."""
+    from model.attention.focus.hard import flex as focus_flex
+
+    t, n_groups, window = 16384, 8, 128
+    seen: dict[str, tuple[int, int]] = {}
+
+    def recording(compiled, site):
+        def call(q, k, v, *, block_mask, scale, enable_gqa, return_aux):
+            full = block_mask.full_kv_num_blocks
+            seen[site] = (int(block_mask.kv_num_blocks.sum()), 0 if full is None else int(full.sum()))
+            aux = type("Aux", (), {"lse": torch.zeros(q.shape[:3], dtype=torch.float32)})()
+            return torch.zeros_like(q), aux  # no attention computed: only the block structure is read
+
+        return call
+
+    monkeypatch.setattr(focus_flex, "flex_attention_fn", recording)
+    bits = torch.ones(1, t, dtype=torch.long) << (torch.arange(t) % n_groups)
+    q = torch.zeros(1, 1, t, 16)
+    flex_hard_attention(
+        q, q, q, bits_q=bits, bits_k=bits, window=window, scale=1.0, n_groups=n_groups, top_k=1, compiled=False
+    )
+    rows = t // FLEX_BLOCK
+    causal = rows * (rows + 1) // 2
+    group, band = sum(seen["focus_group"]), sum(seen["focus_band"])
+    segment_rows = rows  # the K group segments' block rows together (T / K tokens each)
+    assert group <= causal / n_groups + segment_rows, (group, causal)
+    assert band <= 2 * window / t * causal + rows, (band, causal)
+    bound = (1 / n_groups + 2 * window / t) * causal + segment_rows + rows
+    assert group + band <= bound, f"{group} + {band} blocks of {causal} causal ones, bound {bound:.0f}"
+    assert seen["focus_group"][1] > seen["focus_group"][0], "blocks inside a group below its diagonal are full"
+
+
+@pytest.mark.parametrize("top_k", [1, pytest.param(2, marks=pytest.mark.slow)])  # a dynamo + AOT trace: ~40 s each
+def test_hard_forward_is_one_compiled_graph_without_host_sync(top_k, monkeypatch):
+    """Issue 37, items 3 and 6: on CUDA a whole-sequence hard forward of plain inference (eval, no grad) runs as one
+    compiled graph (``hard_inference_fn``: scores, Sinkhorn, memberships, both FlexAttention calls, the merge). Here
+    the module takes that route on CPU (``gpu_paths_forced``, the device check patched) with the compile made
+    ``fullgraph=True`` (any graph break fails) under an ``aot_autograd`` backend that keeps the graph's ATen ops,
+    searched for ops that read a device value on the host (a stream synchronisation on CUDA). Two lengths (not
+    multiples of the block) share one dynamic-shape graph; values equal the dense reference."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    from model.attention.focus import module as focus_module
+    from tests.attention.test_compiled_block import SYNC_OPS
+
+    graphs: list[set[str]] = []
+
+    def record(gm, example_inputs):
+        graphs.append({str(node.target).split(".default")[0] for node in gm.graph.nodes if node.op == "call_function"})
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=record)
+    compiled = torch.compile(focus_module.hard_inference, backend=backend, fullgraph=True, dynamic=True)
+    monkeypatch.setattr(focus_module, "_HARD_INFERENCE", [compiled])
+    monkeypatch.setattr(focus_module, "_compiles_whole", lambda q: True)
+    spec = LayerSpec(d_model=64, n_heads=4, n_kv_heads=2, head_dim=16, max_seq_len=512, layer_idx=0, n_layers=1)
+    torch.manual_seed(0)
+    module = build_attention("focus", FocusConfig(mode="hard", top_k=top_k, n_groups=4, window=16), spec).eval()
+    reference = build_attention("focus", module.cfg, spec, impl="reference").eval()
+    reference.load_state_dict(module.state_dict())
+    torch._dynamo.reset()
+    with flex_mod.gpu_paths_forced(), torch.no_grad():
+        for t in (150, 300):
+            g = torch.Generator().manual_seed(t)
+            q = torch.randn(2, 4, t, 16, generator=g)
+            k, v = (torch.randn(2, 2, t, 16, generator=g) for _ in range(2))
+            hidden = torch.randn(2, t, 64, generator=g)
+            got = module(q, k, v, hidden=hidden, positions=torch.arange(t)).output
+            want = reference(q, k, v, hidden=hidden, positions=torch.arange(t)).output
+            assert_exact32(got, want, f"T={t} k={top_k}")
+    torch._dynamo.reset()
+    assert len(graphs) == 1, f"{len(graphs)} graphs for two lengths (one dynamic-shape graph expected)"
+    assert str(torch.ops.higher_order.flex_attention) in graphs[0], "FlexAttention is not in the graph"
+    synced = graphs[0] & SYNC_OPS
+    assert not synced, f"host synchronisations in the compiled hard forward: {sorted(synced)}"

@@ -162,22 +162,16 @@ def flex_hard_attention(
     o_s, aux = flex_attention_fn(compiled and not one_block, "focus_group")(
         q_s, k_s, v_s, block_mask=group_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
-    lse_s = aux.lse
-    # back to tokens: each query has top_k slots; merge them by logsumexp
+    del q_s, k_s, v_s  # the sorted copies: not kept past the call (autograd keeps what its backward needs)
     cdt = torch.promote_types(q.dtype, torch.float32)
-    lse_s = lse_s.to(cdt)
-    idx = tok_q[:, None, :].expand(bsz, h, -1)
-    lse_a = torch.full((bsz, h, tq), NEG_INF, dtype=cdt, device=q.device).scatter_reduce(
-        2, idx, lse_s, "amax", include_self=True
-    )
-    ref_a = lse_a.masked_fill(lse_a == NEG_INF, 0.0)
-    w_s = torch.exp(lse_s - ref_a.gather(2, idx))
-    sum_a = torch.zeros_like(lse_a).scatter_add(2, idx, w_s)
-    o_a = torch.zeros(bsz, h, tq, d, dtype=cdt, device=q.device).scatter_add(
-        2, idx[..., None].expand(-1, -1, -1, d), o_s.to(cdt) * w_s[..., None]
-    )
-    o_a = o_a / sum_a.clamp_min(torch.finfo(cdt).tiny)[..., None]
-    lse_a = torch.where(sum_a > 0, torch.log(sum_a.clamp_min(torch.finfo(cdt).tiny)) + ref_a, lse_a)
+    if top_k == 1:
+        # each query has one slot: the slot order is a permutation of the tokens, undone by a gather with its inverse
+        inv = torch.empty_like(tok_q).scatter_(1, tok_q, torch.arange(tq, device=q.device).expand(bsz, tq))
+        o_a = o_s.gather(2, inv[:, None, :, None].expand(bsz, h, tq, d))
+        lse_a = aux.lse.gather(2, inv[:, None, :].expand(bsz, h, tq)).to(cdt)
+    else:
+        o_a, lse_a = _merge_slots(o_s, aux.lse, tok_q, tq, cdt)
+    del o_s, aux
 
     # ---- cross-group band: causal, i - j < window, no shared group, original order ----
     q_pos = torch.arange(start, tk, device=q.device)
@@ -199,8 +193,28 @@ def flex_hard_attention(
     o_b, aux = flex_attention_fn(compiled, "focus_band")(
         q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
-    lse_b = aux.lse
-    lse_b = lse_b.to(cdt)
+    lse_b = aux.lse.to(cdt)
     lse = torch.logaddexp(lse_a, lse_b)
-    out = o_a * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
+    out = o_a.to(cdt) * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
     return out.to(q.dtype)
+
+
+def _merge_slots(o_s: Tensor, lse_s: Tensor, tok_q: Tensor, tq: int, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+    """top_k > 1: each token's top_k slots (outputs [B, H, N, D], logsumexps [B, H, N]) merged by logsumexp into
+    [B, H, tq, D] (in ``cdt``) and [B, H, tq]: a scatter-max of the logsumexps, then scatter-adds of the weights and
+    the weighted outputs."""
+    bsz, h, _, d = o_s.shape
+    lse_s = lse_s.to(cdt)
+    idx = tok_q[:, None, :].expand(bsz, h, -1)
+    lse_a = torch.full((bsz, h, tq), NEG_INF, dtype=cdt, device=o_s.device).scatter_reduce(
+        2, idx, lse_s, "amax", include_self=True
+    )
+    ref_a = lse_a.masked_fill(lse_a == NEG_INF, 0.0)
+    w_s = torch.exp(lse_s - ref_a.gather(2, idx))
+    sum_a = torch.zeros_like(lse_a).scatter_add(2, idx, w_s)
+    o_a = torch.zeros(bsz, h, tq, d, dtype=cdt, device=o_s.device).scatter_add(
+        2, idx[..., None].expand(-1, -1, -1, d), o_s.to(cdt) * w_s[..., None]
+    )
+    o_a = o_a / sum_a.clamp_min(torch.finfo(cdt).tiny)[..., None]
+    lse_a = torch.where(sum_a > 0, torch.log(sum_a.clamp_min(torch.finfo(cdt).tiny)) + ref_a, lse_a)
+    return o_a, lse_a
