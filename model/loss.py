@@ -35,9 +35,13 @@ from torch import Tensor
 
 IGNORE_INDEX = -100  # targets that count nothing (F.cross_entropy's default; eval.perplexity masks with it)
 
-# each chunk's [chunk, V] logits hold at most this many elements (512 MiB as float32): at V = 32000 a chunk is 4096
-# tokens, at V = 128256 1024, still wide matmuls on a GPU
-CHUNK_ELEMENTS = 2**27
+# each chunk's [chunk, V] logits hold at most this many elements (1 GiB as float32; a chunk's transient buffers are
+# about 6 bytes per element under bf16: its float32 logits, softmax in place, and a bf16 copy of them or of its grad):
+# at V = 32000 a chunk is 8192 tokens, at V = 128256 2048. Not smaller: every chunk adds its [V, d] weight gradient
+# into the float32 accumulator (~12 V d bytes of memory traffic: 4 V d for the matmul's bf16 result written and read,
+# 8 V d for the float32 read and write), a fixed cost per chunk against the chunk's 6 C V d FLOPs; at C = 2048 on an
+# H100 (~240 FLOPs per byte) that is roughly a quarter of the head's matmul time, estimated, not measured
+CHUNK_ELEMENTS = 2**28
 
 
 def default_chunk(n_tokens: int, vocab: int) -> int:
@@ -48,6 +52,43 @@ def default_chunk(n_tokens: int, vocab: int) -> int:
 
 def _accumulate_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)  # bf16 / fp16 -> float32; float64 stays
+
+
+def _chunk(
+    h: Tensor,
+    w: Tensor,
+    t: Tensor,
+    ignore_index: int,
+    grad_hidden: Tensor | None,
+    grad_weight: Tensor | None,
+) -> Tensor:
+    """One chunk: its summed loss; its gradients written into ``grad_hidden`` (this chunk's rows) and added into
+    ``grad_weight`` where given. A function of its own so that its [C, V] buffers are freed before the next chunk's."""
+    acc = _accumulate_dtype(h.dtype)
+    z = (h @ w.T).to(acc)  # [C, V]: the logits in the compute dtype, then float32 (the same tensor if already)
+    valid = t != ignore_index
+    safe = torch.where(valid, t, torch.zeros_like(t))[:, None]
+    target_logit = z.gather(1, safe).squeeze(1)
+    # logsumexp and softmax in place over z: no second [C, V] float32 buffer (torch.logsumexp would allocate one)
+    top = z.amax(dim=-1, keepdim=True)
+    total = z.sub_(top).exp_().sum(dim=-1, keepdim=True)
+    lse = (total.log() + top).squeeze(1)
+    loss = torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
+    if grad_hidden is None and grad_weight is None:
+        return loss
+    # d loss / d logits = softmax - one_hot(target), zero on ignored rows; then in the compute dtype
+    weights = valid.to(acc)[:, None]
+    z.div_(total).scatter_add_(1, safe, -weights).mul_(weights)
+    g = z.to(h.dtype)
+    del z  # the float32 softmax, when g is a copy
+    if grad_hidden is not None:
+        grad_hidden.copy_(g @ w)
+    if grad_weight is not None:
+        if grad_weight.dtype == g.dtype:
+            grad_weight.addmm_(g.T, h)
+        else:
+            grad_weight += g.T @ h  # the chunk's sum in the compute dtype, accumulated in float32
+    return loss
 
 
 def _chunks(
@@ -61,37 +102,17 @@ def _chunks(
     need_weight: bool,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """(summed loss, d loss / d hidden or None, d loss / d weight or None), chunk by chunk."""
-    acc = _accumulate_dtype(compute_dtype)
     h_all = hidden.to(compute_dtype)
     w = weight.to(compute_dtype)
-    loss = torch.zeros((), dtype=acc, device=hidden.device)
+    loss = torch.zeros((), dtype=_accumulate_dtype(compute_dtype), device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
     grad_weight = None
     if need_weight:  # float32 (or wider): the chunks' contributions add up there
         grad_weight = torch.zeros(weight.shape, dtype=_accumulate_dtype(weight.dtype), device=weight.device)
     for start in range(0, hidden.shape[0], chunk):
-        h = h_all[start : start + chunk]
-        t = targets[start : start + chunk]
-        z = (h @ w.T).to(acc)  # [C, V]: the logits in the compute dtype, then float32 (the same tensor if already)
-        lse = torch.logsumexp(z, dim=-1)
-        valid = t != ignore_index
-        safe = torch.where(valid, t, torch.zeros_like(t))[:, None]
-        target_logit = z.gather(1, safe).squeeze(1)
-        loss = loss + torch.where(valid, lse - target_logit, torch.zeros_like(lse)).sum()
-        if grad_hidden is None and grad_weight is None:
-            continue
-        # d loss / d logits = softmax - one_hot(target), zero on ignored rows; written over z (no longer needed)
-        g = z.sub_(lse[:, None]).exp_()
-        g.scatter_add_(1, safe, -valid.to(acc)[:, None])
-        g.mul_(valid.to(acc)[:, None])
-        g = g.to(compute_dtype)
-        if grad_hidden is not None:
-            grad_hidden[start : start + chunk] = g @ w
-        if grad_weight is not None:
-            if grad_weight.dtype == compute_dtype:
-                grad_weight.addmm_(g.T, h)
-            else:
-                grad_weight += g.T @ h  # the chunk's sum in the compute dtype, accumulated in float32
+        rows = slice(start, start + chunk)
+        rows_grad = grad_hidden[rows] if grad_hidden is not None else None
+        loss = loss + _chunk(h_all[rows], w, targets[rows], ignore_index, rows_grad, grad_weight)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype)
     return loss, grad_hidden, grad_weight

@@ -129,7 +129,7 @@ def test_traceable_by_torch_compile() -> None:
 
 
 def test_default_chunk_by_vocabulary() -> None:
-    assert default_chunk(100_000, 32_000) == 4096 and default_chunk(100_000, 128_256) == 1024
+    assert default_chunk(100_000, 32_000) == 8192 and default_chunk(100_000, 128_256) == 2048
     assert default_chunk(100, 32_000) == 100 and default_chunk(0, 50) == 1 and default_chunk(10**6, 10**9) == 256
 
 
@@ -157,4 +157,4 @@ def test_peak_memory_well_below_the_plain_path() -> None:
     )
     logits_bytes = n * v * 4
     assert peaks["plain"] > logits_bytes  # the measurement sees the plain path's logits
-    assert peaks["fused"] < peaks["plain"] / 4, peaks
+    assert peaks["fused"] < peaks["plain"] / 8, peaks
