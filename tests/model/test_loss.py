@@ -1,6 +1,6 @@
 """model/loss.py: the chunked fused head + cross-entropy against ``F.cross_entropy`` on the full logits (values and
-gradients in float64, tied weights, ignored rows, ragged chunks; bf16 autocast against float32), and its peak memory
-against the plain path's."""
+gradients in float64, tied weights, ignored rows, ragged chunks; bf16 autocast against float32), its peak memory
+against the plain path's, and a tiny model's loss and gradients through the fused and the plain head."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import torch.nn.functional as F
 
 from core.memory import PeakMemory, fix_malloc_for_rss
 from model.loss import IGNORE_INDEX, chunked_linear_cross_entropy, default_chunk
+from model.transformer import Transformer
+from tests.conftest import small_model_config
 
 
 def inputs(n: int, d: int, v: int, dtype: torch.dtype = torch.float64, seed: int = 0):
@@ -158,3 +160,59 @@ def test_peak_memory_well_below_the_plain_path() -> None:
     logits_bytes = n * v * 4
     assert peaks["plain"] > logits_bytes  # the measurement sees the plain path's logits
     assert peaks["fused"] < peaks["plain"] / 8, peaks
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])  # untied head; tied head (GPT-2 ties it to the embedding)
+def test_tiny_model_loss_and_gradients_fused_equal_plain(family: str) -> None:
+    """One training forward + backward through the fused head (chunk 7: ragged over 2 x 12 tokens) and through the
+    plain one (``fused_cross_entropy = False``): equal loss and every parameter's gradient, within float32 rounding."""
+    torch.manual_seed(0)
+    model = Transformer(small_model_config(family))
+    idx = torch.randint(0, 50, (2, 12))
+    targets = torch.randint(0, 50, (2, 12))
+    targets[0, :3] = IGNORE_INDEX
+    targets[1, -1] = IGNORE_INDEX
+    assert model.fused_head_applies()
+
+    def run(fused: bool) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        model.zero_grad(set_to_none=True)
+        model.fused_cross_entropy = fused
+        model.loss_chunk = 7
+        out = model(idx, targets=targets, return_logits=False)
+        assert out.loss_sum is not None and out.logits is None
+        (out.loss_sum / out.n_tokens).backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return out.loss_sum.detach(), out.n_tokens, grads
+
+    loss, n, grads = run(fused=True)
+    ref_loss, ref_n, ref_grads = run(fused=False)
+    assert n == ref_n == 20
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-5)
+    assert grads.keys() == ref_grads.keys() and "lm_head.weight" in {
+        name for name, _ in model.named_parameters(remove_duplicate=False)
+    }
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    # evaluation and generation keep the logits path: its loss is the same
+    with torch.no_grad():
+        both = model(idx, targets=targets)
+    assert both.logits is not None
+    torch.testing.assert_close(both.loss_sum, ref_loss, rtol=1e-6, atol=1e-5)
+
+
+def test_hooked_head_keeps_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head whose forward something intercepts (tensor parallelism's styles, DeepSpeed ZeRO-3's gathering) keeps
+    ``lm_head(hidden)``: the hook runs and the fused function is not called."""
+    import model.transformer as transformer
+
+    model = Transformer(small_model_config())
+    calls = []
+    monkeypatch.setattr(transformer, "chunked_linear_cross_entropy", lambda *a, **k: calls.append(1) or a[0].sum())
+    idx = torch.randint(0, 50, (1, 8))
+    model(idx, targets=idx, return_logits=False)
+    assert calls == [1]
+    seen = []
+    model.lm_head.register_forward_hook(lambda *_: seen.append(1))
+    assert not model.fused_head_applies()
+    out = model(idx, targets=idx, return_logits=False)
+    assert calls == [1] and seen == [1] and out.loss_sum is not None
