@@ -17,6 +17,7 @@ from model.attention import AttnOut, KVCache, LayerSpec, build_attention
 from model.attention.common.context_parallel import ContextParallel
 from model.config import ModelConfig
 from model.documents import document_ids, document_positions
+from model.loss import IGNORE_INDEX, chunked_linear_cross_entropy
 from model.rope import RotaryEmbedding, apply_rope
 
 
@@ -162,6 +163,11 @@ class Transformer(nn.Module):
         self.heads_split = 1
         # context parallelism (apply_context_parallel): idx / targets hold this rank's share of each sequence
         self.context_parallel: ContextParallel | None = None
+        # training forwards (targets, no logits) take the fused chunked head + cross-entropy (model/loss.py) where the
+        # head allows it (fused_head_applies); False forces the plain logits path, the reference. loss_chunk: tokens
+        # per chunk (None: model.loss.default_chunk by the vocabulary size)
+        self.fused_cross_entropy = True
+        self.loss_chunk: int | None = None
         scalars = [name for name, p in self.named_parameters() if p.dim() == 0]
         if scalars:  # fully_shard refuses them at wrap time, on a cluster: say so when the model is built
             raise ValueError(
@@ -222,6 +228,22 @@ class Transformer(nn.Module):
             self.context_parallel = cp
             for block in self.blocks:
                 block.attn.context_parallel = cp
+
+    def fused_head_applies(self) -> bool:
+        """Whether the fused head + cross-entropy computes what ``lm_head`` would: a bias-free ``nn.Linear`` whose
+        forward nothing intercepts (no module hooks: tensor parallelism's styles and DeepSpeed ZeRO-3 gather through
+        them) on an ordinary tensor (not a DTensor: a column-parallel head under TP; nor a ZeRO-3 partitioned one).
+        FSDP2 qualifies: the root's hooks put the gathered weight in place before this forward runs."""
+        head = self.lm_head
+        weight = head.weight
+        return (
+            type(head) is nn.Linear
+            and head.bias is None
+            and not head._forward_hooks
+            and not head._forward_pre_hooks
+            and not hasattr(weight, "to_local")  # a DTensor
+            and not hasattr(weight, "ds_id")  # a DeepSpeed ZeRO-3 parameter
+        )
 
     @torch.no_grad()
     def reference_batch_stats(self, idx: Tensor) -> dict[str, Tensor]:
@@ -309,12 +331,19 @@ class Transformer(nn.Module):
         out = ModelOutput(
             aux_loss=aux, stats={f"attn/{kind}/{k}": v for k, v in stats.items()}, layer_stats=layer_stats
         )
-        logits = self.lm_head(self.norm_f(x))
+        hidden = self.norm_f(x)
+        if targets is not None and not return_logits and self.fused_cross_entropy and self.fused_head_applies():
+            out.loss_sum = chunked_linear_cross_entropy(
+                hidden.flatten(0, 1), self.lm_head.weight, targets.flatten(), chunk=self.loss_chunk
+            )
+            out.n_tokens = int((targets != IGNORE_INDEX).sum())
+            return out
+        logits = self.lm_head(hidden)
         if targets is not None:
             out.loss_sum = F.cross_entropy(
-                logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum"
+                logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
             )
-            out.n_tokens = int((targets != -100).sum())
+            out.n_tokens = int((targets != IGNORE_INDEX).sum())
         if return_logits:
             out.logits = logits
         return out
