@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from model.activation_checkpointing import checkpointed
 from model.attention import AttnOut, KVCache, LayerSpec, build_attention
 from model.attention.common.context_parallel import ContextParallel
+from model.attention.common.flex import gpu_paths_active
 from model.config import ModelConfig
 from model.documents import document_ids, document_positions
 from model.loss import IGNORE_INDEX, chunked_linear_cross_entropy
@@ -97,9 +98,11 @@ class Block(nn.Module):
         self.norm2 = make_norm(cfg)
         self.mlp = MLP(cfg)
         self.drop = nn.Dropout(cfg.dropout)
-        # train.activation_checkpointing (set through Transformer.activation_checkpointing): applied inside the block's
-        # own forward, so a compiled block traces the checkpoint and its selective policy into one graph (checkpointing
-        # a compiled block instead recomputes the whole compiled region in the backward, whatever the policy)
+        # train.activation_checkpointing (set through Transformer.activation_checkpointing). On the GPU paths it is
+        # applied inside the block's own forward, so a compiled block traces the checkpoint and its selective policy
+        # into one graph (checkpointing a compiled block from outside recomputes the whole compiled region in the
+        # backward, whatever the policy). On the CPU paths (autograd Functions around the fused CPU kernel, which
+        # torch.compile does not trace inside a checkpoint under autocast) the model checkpoints the block from outside.
         self.checkpointing = "none"
 
     def forward(
@@ -111,11 +114,15 @@ class Block(nn.Module):
         cache: KVCache | None,
         documents: Tensor | None = None,
     ) -> tuple[Tensor, AttnOut]:
-        if self.checkpointing != "none" and self.training and torch.is_grad_enabled() and cache is None:
+        if self.recomputes(x, cache) and gpu_paths_active(x):
             return checkpointed(
                 self.layer, self.checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents
             )
         return self.layer(x, positions=positions, rope=rope, cache=cache, documents=documents)
+
+    def recomputes(self, x: Tensor, cache: KVCache | None) -> bool:
+        """Whether this forward runs under activation checkpointing (training, with gradients, no cache)."""
+        return self.checkpointing != "none" and self.training and torch.is_grad_enabled() and cache is None
 
     def layer(
         self,
@@ -319,8 +326,15 @@ class Transformer(nn.Module):
         aux: Tensor | None = None
         stats: dict[str, Tensor] = {}
         layer_stats: list[dict[str, Tensor]] = []
+        outside = not gpu_paths_active(x)  # the CPU paths: the block is checkpointed from here (Block.__init__)
         for i, block in enumerate(self.blocks):
-            x, a = block(x, positions=positions, rope=rope, cache=caches[i] if caches else None, documents=documents)
+            cache = caches[i] if caches else None
+            if outside and block.recomputes(x, cache):
+                x, a = checkpointed(
+                    block, block.checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents
+                )
+            else:
+                x, a = block(x, positions=positions, rope=rope, cache=cache, documents=documents)
             if a.aux_loss is not None:
                 aux = a.aux_loss if aux is None else aux + a.aux_loss
             for key, value in a.stats.items():

@@ -25,7 +25,11 @@ from pretrain.loop import PEAK_MEMORY_ENV
 from tests.e2e.helpers import run_sequence, write_summary
 from tests.e2e.test_train_cli import overrides
 
-RATIO = 0.6
+RATIO = 0.6  # the bound, at its length (8192)
+# the slow tier's proxy at 4096: the fused LM head (model/loss.py) no longer keeps the per-token logits, which CP
+# split, so the toy's replicated share (weights, gradients, AdamW state) weighs more at this length: DGA measured
+# 0.605-0.608 against 0.576 with the plain head (2026-11-27); at 8192 every variant holds 0.6 (0.517-0.596)
+RATIO_4096 = 0.62
 STEPS = 2  # the first warms up (gradients, optimizer state, allocator); the second is measured
 KINDS = sorted(kind for kind, entry in registry.items() if entry.cls.trainable)
 LAYOUTS = {"single": (0, {}), "cp2": (2, {"train.engine": "fsdp2", "train.parallel.cp": 2})}
@@ -79,7 +83,7 @@ def _measure(seq_len: int, shape: dict, layout: str, root: Path, cache_dir: Path
     return _launches[key]
 
 
-def _check(seq_len: int, shape: dict, tmp_path_factory, cache_dir: Path) -> None:
+def _check(seq_len: int, shape: dict, tmp_path_factory, cache_dir: Path, ratio: float = RATIO) -> None:
     root = tmp_path_factory.getbasetemp() / "cp_memory"
     root.mkdir(exist_ok=True)
     single = _measure(seq_len, shape, "single", root, cache_dir)
@@ -89,13 +93,13 @@ def _check(seq_len: int, shape: dict, tmp_path_factory, cache_dir: Path) -> None
     lines += [f"| {k} | {single[k]:.1f} | {cp2[k]:.1f} | {ratios[k]:.3f} |" for k in KINDS]
     print("\n".join(lines))
     write_summary(tmp_path_factory, f"cp_memory_{seq_len}.md", "\n".join(lines) + "\n")
-    above = {kind: round(r, 3) for kind, r in ratios.items() if not r <= RATIO}
-    assert not above, f"T={seq_len}: cp=2 per-rank peak above {RATIO}x of one process: {above}\n" + "\n".join(lines)
+    above = {kind: round(r, 3) for kind, r in ratios.items() if not r <= ratio}
+    assert not above, f"T={seq_len}: cp=2 per-rank peak above {ratio}x of one process: {above}\n" + "\n".join(lines)
 
 
 @pytest.mark.slow
-def test_cp2_rank_peak_is_at_most_0_6_of_one_process_at_4096(tmp_path_factory, cache_dir):
-    _check(4096, TINY_PROPORTIONS, tmp_path_factory, cache_dir)
+def test_cp2_rank_peak_is_at_most_0_62_of_one_process_at_4096(tmp_path_factory, cache_dir):
+    _check(4096, TINY_PROPORTIONS, tmp_path_factory, cache_dir, RATIO_4096)
 
 
 @pytest.mark.slow

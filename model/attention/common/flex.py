@@ -39,6 +39,11 @@ def gpu_paths_forced() -> Iterator[None]:
         _FORCED = before
 
 
+def gpu_paths_active(x: torch.Tensor) -> bool:
+    """Whether a forward on ``x`` takes the variants' GPU paths: on CUDA, or on CPU inside ``gpu_paths_forced``."""
+    return x.is_cuda or _FORCED
+
+
 def flex_supports(q: torch.Tensor) -> bool:
     """Whether a variant's compiled FlexAttention path can take these queries (CUDA, head_dim >= 16); otherwise the
     variant takes its reference path. A variant chooses its GPU path through this (not ``q.is_cuda``), so that
