@@ -4,7 +4,7 @@ with no edit here), on CPU: 2 gloo processes for the data-parallel engines.
 - Variants: each trainable variant's causal suite cases (``Attention.suite_cases``, options sized for short
   sequences), one per distinct parameter set: full, focal constant and learned, lazy, focus soft, dga causal.
 - Engines: each registered engine; fsdp2 also as HSDP (2 replicas x 1 shard), deepspeed as ZeRO 1, 2 and 3; and
-  activation checkpointing (full, selective) and ``train.compile`` under single and fsdp2.
+  activation checkpointing (full, selective) and ``train.compile`` under fsdp2 (``BLOCK_ENGINES``).
 - Per (variant, engine): the losses of an uninterrupted 6-step run (training losses per step and the final
   validation loss) equal the single-process run's to 1e-5 relative, and a run stopped at step 3
   (``train.stop_at``) and resumed gives steps 4-6 bit for bit (loss and gradient norm); under ``train.compile``
@@ -64,7 +64,10 @@ BLOCK_OPTIONS = {
     "ac_selective": {"train.activation_checkpointing": "selective"},
     "compile": {"train.compile": True},
 }
-BLOCK_ENGINES = ("single", "fsdp2")
+# under fsdp2 only: it runs the same per-block recomputation and compilation as one process (parallelize applies both
+# before the wrap) and shards the compiled, checkpointed blocks besides; the single-process legs repeated them at the
+# cost of one more cold compile of every variant (the suite's slowest launch, 2026-11-27)
+BLOCK_ENGINES = ("fsdp2",)
 # Compiled runs cost a compile each (minutes for all variants on 2 cores): every variant's uninterrupted run is
 # compared with the single-process run, and stop / resume is checked on one variant (what resume depends on under
 # compile, the checkpoint's parameter names and RNG state, does not depend on the variant)
