@@ -35,6 +35,7 @@ _KEYS = {
     "train.precision": LAUNCH,
     "train.compile": LAUNCH,
     "train.activation_checkpointing": LAUNCH,
+    "train.fused_cross_entropy": LAUNCH,
     "train.micro_batch_size": LAUNCH,
     "train.fsdp2.replicate": LAUNCH,
     "train.parallel": LAUNCH,  # tp / cp: the layout; DCP reshards the state onto another

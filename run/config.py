@@ -90,6 +90,9 @@ class TrainConfig:
     log_every: int = 10  # steps between logged metrics
     compile: bool = False  # torch.compile each transformer block (before FSDP2 wraps it)
     activation_checkpointing: str = "none"  # none | selective (recompute cheap ops) | full (recompute each block)
+    # the LM head and cross-entropy fused and chunked (model/loss.py): no [tokens, vocab] logits kept; false = the
+    # plain head (the reference; losses equal to float32 rounding)
+    fused_cross_entropy: bool = True
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
     # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
     init_from: str = ""

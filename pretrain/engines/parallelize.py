@@ -56,6 +56,7 @@ def parallelize(
 
             apply_context_parallel(model, cp_mesh)
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.fused_cross_entropy = cfg.fused_cross_entropy
     if cfg.compile:
         for block in model.blocks:
             block.compile()
