@@ -185,8 +185,9 @@ class Transformer(nn.Module):
 
     @property
     def activation_checkpointing(self) -> str:
-        """train.activation_checkpointing: a training choice, not part of the model (set by the engine), applied by
-        each block inside its own forward."""
+        """train.activation_checkpointing: a training choice, not part of the model (set by the engine); each block
+        holds it (``Block.checkpointing``) and applies it inside its forward on the GPU paths, the model around the
+        block on the CPU paths."""
         return self.blocks[0].checkpointing if len(self.blocks) else "none"
 
     @activation_checkpointing.setter
