@@ -62,7 +62,9 @@ class VariantConfig:
 
 
 class KVCache:
-    """One layer's keys and values for positions [0, length), preallocated to ``max_len``.
+    """One layer's keys and values for positions [0, length), preallocated to ``max_len`` and zero-initialised: a
+    step that reads the whole buffer under a mask (Focus's device decode, static shapes) gives the rows past
+    ``length`` zero weights, which must not meet a NaN left in uninitialised memory.
 
     ``extra`` is per-variant state that must live with the cache (Focus group
     memberships, DGA aggregated groups, ...).
@@ -79,8 +81,8 @@ class KVCache:
         device: torch.device | str,
     ):
         shape = (batch, n_kv_heads, max_len, head_dim)
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
         self.length = 0
         self.extra: dict[str, Any] = {}

@@ -18,13 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
-from model.attention.common.flex import flex_supports
+from model.attention.common.flex import flex_supports, gpu_paths_active
 from model.attention.focus import naive
 from model.attention.focus.config import FocusConfig, lambda_at
 from model.attention.focus.hard import decode_host as host_decode
 from model.attention.focus.hard import group_sparse
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
+from model.attention.focus.hard.decode_device import device_decode_step
 from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
@@ -72,8 +73,21 @@ def hard_inference_fn() -> Callable[..., Tensor]:
     return _HARD_INFERENCE[0]
 
 
+_DECODE_STEP: list[Callable[..., Tensor]] = []
+
+
+def decode_step_fn() -> Callable[..., Tensor]:
+    """``device_decode_step`` compiled once (on CUDA: the Sinkhorn token update's ~40 small operations fuse into a
+    few kernels). Its shapes are the cache's, so consecutive tokens of one cache share a graph; another cache shape
+    compiles once more (automatic dynamic shapes). The CPU tests trace it with ``fullgraph=True``."""
+    if not _DECODE_STEP:
+        _DECODE_STEP.append(torch.compile(device_decode_step))
+    return _DECODE_STEP[0]
+
+
 def _compiles_whole(q: Tensor) -> bool:
-    """Whether the hard forward of these queries runs as one compiled graph: on CUDA (tests patch it)."""
+    """Whether the hard forward (or decode step) of these queries runs as one compiled graph: on CUDA (tests patch
+    it)."""
     return q.is_cuda
 
 
@@ -234,6 +248,9 @@ class FocusAttention(Attention):
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
+        if self._device_decodes(q, cache):
+            assert cache is not None  # checked there
+            return self._hard_decode_device(q, hidden=hidden, q_pos=q_pos, cache=cache)
         if self._host_decodes(q, k, q_pos, cache):
             assert cache is not None  # checked there
             host = self._hard_decode_host(q, k, v, hidden=hidden, cache=cache)
@@ -349,6 +366,44 @@ class FocusAttention(Attention):
             return cpu_hard_attention(q, k, v, **common, top_k=cfg.top_k)
         return group_sparse.hard_attention(q, k, v, q_pos=q_pos, **common)
 
+    def _device_decodes(self, q: Tensor, cache: KVCache | None) -> bool:
+        """Whether this call is one hard-mode decode step of plain inference (no autograd, no loss, statistics or
+        reference batch: nothing reads the assignments) after a prefill, on the GPU paths (CUDA, or CPU inside
+        ``gpu_paths_forced``): ``_hard_decode_device``. Prefix Sinkhorn or softmax assignments (sequence scope
+        re-assigns every key at each token)."""
+        cfg = self.cfg
+        if cache is None or q.shape[2] != 1 or cfg.mode != "hard" or not gpu_paths_active(q):
+            return False
+        sinkhorn = cfg.assignment == "sinkhorn"
+        if sinkhorn and cfg.sinkhorn_scope != "prefix":
+            return False
+        if self.training or self.collect_stats or self.reference_batch or torch.is_grad_enabled():
+            return False
+        extra = cache.extra
+        if "focus_bits" not in extra or "focus_g" not in extra:  # no prefill yet: the tensor path starts the cache
+            return False
+        state = extra.get("focus_sinkhorn")
+        return not sinkhorn or host_decode.KEY in extra or (state is not None and state.dtype == extra["focus_g"].dtype)
+
+    def _hard_decode_device(self, q: Tensor, *, hidden: Tensor, q_pos: Tensor, cache: KVCache) -> AttnOut:
+        """One hard-mode decode step as ``device_decode_step`` (see its module docstring: static shapes, no host
+        synchronisation, capturable in a CUDA graph) over the whole preallocated cache; on CUDA compiled
+        (``decode_step_fn``). Equal to ``assignments`` + ``_memberships`` + ``hard_fast``, and it keeps the cache's
+        tensors (Sinkhorn state, assignments, membership words) as they do."""
+        host_decode.flush(cache)  # a cache decoded on the host before (CPU): its state back into the tensors
+        cache.extra.pop("focus_lists", None)  # the CPU paths' per-group lists: not kept up to date from here
+        state = cache.extra.get("focus_sinkhorn") if self.cfg.assignment == "sinkhorn" else None
+        g_all, bits_all = cache.extra["focus_g"], cache.extra["focus_bits"]
+        # the protocol: the token is the last cached key (a device-side check: reading q_pos would synchronise)
+        torch._assert_async((q_pos == cache.length - 1).all(), "focus decode: the position must end the cache")
+        step = decode_step_fn() if _compiles_whole(q) and not torch.compiler.is_compiling() else device_decode_step
+        cfg = self.cfg
+        out = step(
+            q, cache.k, cache.v, hidden, self._fold(cache, g_all.dtype), q_pos, state, g_all, bits_all,
+            iters=cfg.sinkhorn_iters, top_k=cfg.top_k, window=cfg.window, scale=self._scale(),
+        )  # fmt: skip
+        return AttnOut(out)  # what ``_out`` returns in plain inference (``_device_decodes``)
+
     def _host_decodes(self, q: Tensor, k: Tensor, q_pos: Tensor, cache: KVCache | None) -> bool:
         """Whether this call is one CPU hard-mode decode step of plain inference (no autograd, no loss, statistics
         or reference batch: nothing reads the assignments) after a prefill, whose assignment ``_hard_decode_host``
@@ -403,7 +458,8 @@ class FocusAttention(Attention):
             return bits_q, membership_bits(g_k, self.cfg.top_k)  # earlier keys were re-assigned
         if cache is None and g_k is not g_q:  # context parallelism: the keys' assignments, gathered (cp_context)
             return bits_q, membership_bits(g_k, self.cfg.top_k)
-        if cache is not None and self.cfg.mode == "hard":  # per-group member positions, for decoding
+        if cache is not None and self.cfg.mode == "hard" and not gpu_paths_active(bits_q):
+            # per-group member positions, for the CPU's decoding (the device step reads ``focus_bits`` instead)
             lists = cache.extra.get("focus_lists")
             if lists is None:
                 lists = cache.extra["focus_lists"] = GroupLists(bits_q.shape[0], self.cfg.n_groups, bits_q.device)
