@@ -16,11 +16,13 @@ future) or by softmax (kept for the collapse comparison).
   (i - j < w or their memberships intersect). Reference: dense mask (``naive.hard_attention``). Fast paths
   (``hard/``): CPU (``cpu.py``), the sorted-group decomposition on the fused CPU flash kernel (values and
   gradients); CUDA (``flex.py``), two FlexAttention calls over group-sorted tokens and the cross-group band;
-  decode (``decode.py``), the window plus the far members of the token's groups from per-group index lists in
-  the KV cache. Elsewhere the batched dense decomposition of ``group_sparse.hard_attention``.
+  decode on the CPU (``decode.py``), the window plus the far members of the token's groups from per-group index
+  lists in the KV cache; decode on the GPU (``decode_device.py``), one static-shape masked step over the whole
+  cache without host synchronisation (CUDA-graph capturable). Elsewhere the batched dense decomposition of
+  ``group_sparse.hard_attention``.
 
 With prefix Sinkhorn (or softmax) a token's assignment never changes once computed, so the KV cache
-keeps each token's assignment and membership (and, in hard mode, each group's member positions) and
+keeps each token's assignment and membership (and, in hard mode on the CPU, each group's member positions) and
 generation equals the full forward.
 
 Rooms: ``config`` (``FocusConfig``, ``lambda_at``), ``module`` (``FocusAttention``), ``naive`` (the dense
