@@ -109,7 +109,7 @@ def test_device_step_with_a_position_per_sequence_equals_the_reference(top_k):
     state = torch.stack([sinkhorn_prefix(scores[i : i + 1, : n - 1], iters)[1][0] for i, n in enumerate(lengths)])
     q_pos = torch.tensor(lengths) - 1
     kw = dict(iters=iters, top_k=top_k, window=window, scale=0.25)
-    out = device_decode_step(q, k_all, v_all, hidden, fold, q_pos, state, g_all, bits_all, **kw)  # type: ignore[arg-type]
+    out = device_decode_step(q, k_all, v_all, hidden, fold, q_pos, state, g_all, bits_all, **kw)
     for i, n in enumerate(lengths):
         whole = torch.cat([scores[i : i + 1, : n - 1], token_scores[i : i + 1]], 1)
         g_want, state_want = sinkhorn_prefix(whole, iters)
