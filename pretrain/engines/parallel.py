@@ -110,8 +110,12 @@ class DataParallelEngine(Engine):
         return out
 
     def set_collective_timeout(self, seconds: float) -> None:
-        # torchtitan does the same after its first step: the long start-up timeout only while compiling
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        # torchtitan does the same after its first step: the long start-up timeout only while compiling. Every
+        # group this rank is in (the mesh's tp / cp / shard groups too): each has its own timeout
+        bound = timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if not dist.distributed_c10d._rank_not_in_group(group):
+                dist.distributed_c10d._set_pg_timeout(bound, group)
         self.collective_timeout = seconds
 
     def heartbeat(self, step: int) -> None:
