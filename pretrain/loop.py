@@ -618,6 +618,7 @@ class Trainer:
         said = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))[:80]  # gloo starts with its source line
         self.error = f"{key}: {who} stopped answering ({waited}{'; ' + said if said else ''})"
         atomic_write_text(self.run_dir / PREEMPTED_MARKER, f"{self.saved_step}\n")  # requeue from the last checkpoint
+        self.engine.end_stalled()  # a stopped rank on this host would hold the job for torchrun's shutdown grace
         return True
 
     def stop_requested(self) -> bool:

@@ -225,10 +225,12 @@ def verify_checkpoint(
     elif not ((path / "dcp").is_dir() or (path / "ds").is_dir()):
         raise ConfigError(f"{key}: {path} holds no weights ({MODEL_FILE}, dcp/ or ds/)")
     sums: dict[str, str] = meta["checksums"]
-    if all_files or not weights.is_file():  # the weights come from dcp/ or ds/: every file is read
+    if all_files:  # a resume: every file recorded must be there, and match
         names = sorted(set(sums) | set(files_of(path)))
-    else:  # evaluation and export read no optimizer or engine state
+    elif weights.is_file():  # evaluation and export read no optimizer or engine state
         names = [TRAINER_STATE, MODEL_FILE]
+    else:  # the weights come from dcp/ or ds/ (model.safetensors removed on purpose): every file there is read
+        names = files_of(path)
     for name in names:
         if name not in sums:
             raise ConfigError(f"{key}: {path / name} has no checksum in {META}")
