@@ -1,8 +1,8 @@
 """A rank stopped (SIGSTOP) rather than killed under torchrun (issue 30 item 6): the other rank's collective
 gives up after train.collective_timeout, names the stalled rank in one line, leaves the requeue marker, and
-the job ends within the timeout plus a minute instead of the 30-minute process-group default. Issue 41: the
+the job ends within the timeout plus GRACE instead of the 30-minute process-group default. Issue 41: the
 same when the rank stops inside a checkpoint save (saves are bounded by train.collective_timeout too, not 30
-minutes), within the timeout plus GRACE."""
+minutes)."""
 
 from __future__ import annotations
 
@@ -21,10 +21,11 @@ from tests.conftest import REPO
 from tests.e2e.helpers import _env
 from tests.e2e.test_train_cli import TINY
 
-TIMEOUT = 20
-SAVE_TIMEOUT = 15  # the save test's train.collective_timeout
-# from the stop to the job's end past the timeout: the stalled rank's name found, the other rank's exit, torchrun
-# ending the stopped worker (SIGTERM cannot reach a stopped process: see the test)
+TIMEOUT = 15
+SAVE_TIMEOUT = TIMEOUT  # the save test's train.collective_timeout
+# from the stop to the job's end past the timeout: the gloo wait's own slack, the stalled rank named, the stopped rank
+# SIGKILLed by the one that named it (torchrun's SIGTERM cannot reach a stopped process), the exits and torchrun's
+# teardown; measured about 2 s (17.0-17.2 s in all with the timeout at 15 s, 2-core machine)
 GRACE = 30
 
 
@@ -97,7 +98,8 @@ def test_a_stopped_rank_ends_the_job_within_the_timeout_and_names_it(tmp_path, c
                 pass
         if proc.poll() is None:
             proc.kill()
-    assert elapsed < TIMEOUT + 60, (elapsed, err[-2000:])
+    print(f"from the SIGSTOP to the job's end: {elapsed:.1f} s (train.collective_timeout={TIMEOUT})")
+    assert elapsed < TIMEOUT + GRACE, (elapsed, err[-2000:])
     lines = [line for line in err.splitlines() if line.startswith("error: train.collective_timeout: rank 1")]
     assert len(lines) == 1, err[-3000:]
     assert (run_dir / PREEMPTED_MARKER).is_file()  # the sbatch script requeues on it
@@ -144,6 +146,7 @@ def test_a_rank_stopped_during_a_save_ends_the_job_within_the_timeout_plus_grace
                 pass
     assert stop_file.is_file(), err[-3000:]
     elapsed = ended - float(stop_file.read_text().split()[0])
+    print(f"from the SIGSTOP in the save to the job's end: {elapsed:.1f} s (train.collective_timeout={SAVE_TIMEOUT})")
     assert elapsed < SAVE_TIMEOUT + GRACE, (elapsed, err[-2000:])
     lines = [line for line in err.splitlines() if line.startswith("error: train.collective_timeout: rank 1")]
     assert len(lines) == 1 and f"train.collective_timeout={SAVE_TIMEOUT} s" in lines[0], err[-3000:]
