@@ -177,6 +177,7 @@ def apply_adapter(
 
     from data.tokenizer import load_tokenizer
     from model.transformer import build_model
+    from pretrain.checkpoint import write_manifest
     from run.config import run_config_from_dict
 
     out = Path(out)
@@ -229,7 +230,7 @@ def apply_adapter(
         }
         torch.save(trainer_state, tmp / ckpt.TRAINER_STATE)
         meta = {"step": int(state["step"]), "time": time.time(), "base": str(path), "adapter": str(adapter.path)}
-        (tmp / ckpt.META).write_text(json.dumps(meta, indent=2) + "\n")
+        write_manifest(tmp, meta)  # last: the checksums of every file above
     n = sum(t.numel() for t in adapter.tensors.values())
     log(
         f"applied {adapter.path} ({len(adapter.tensors)} tensors, {n:,} parameters, {adapter.attention['kind']}) "

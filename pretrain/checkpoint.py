@@ -25,6 +25,7 @@ from run import checksums
 
 # the read side lives a layer down (evaluation uses it too); the trainer sees one checkpoint API
 from run.checkpoint import (  # noqa: F401
+    MANIFEST_FORMAT,
     META,
     MODEL_FILE,
     STEP_DIR,
@@ -36,9 +37,12 @@ from run.checkpoint import (  # noqa: F401
     load_model,
     load_trainer_state,
     load_weights,
+    read_manifest,
     resolve_checkpoint,
     step_dir_name,
+    step_directories,
     verify_checkpoint,
+    verify_weights,
 )
 
 DAMAGED_DIR = "damaged"
@@ -136,6 +140,7 @@ def save_checkpoint(
         "step": step,
         "time": time.time(),
         **(meta or {}),
+        "format": MANIFEST_FORMAT,
         "files": files,
         "checksums": dict(sorted(digests.items())),
     }
@@ -152,6 +157,21 @@ def save_checkpoint(
     prune(run_dir, keep)
     coord.barrier()
     return final
+
+
+def write_manifest(directory: Path, info: dict[str, Any]) -> None:
+    """``meta.json`` for a checkpoint directory written in one process (an import, an adapter applied): ``info``
+    plus the manifest's format, every file's size and content checksum. Write it last: it seals the directory."""
+    directory = Path(directory)
+    names = [p.relative_to(directory).as_posix() for p in sorted(directory.rglob("*")) if p.is_file()]
+    names = [name for name in names if name != META]
+    manifest = {
+        **info,
+        "format": MANIFEST_FORMAT,
+        "files": {name: (directory / name).stat().st_size for name in names},
+        "checksums": checksums.digests(directory, names),
+    }
+    (directory / META).write_text(json.dumps(manifest, indent=2) + "\n")
 
 
 def _disk_full(exc: BaseException, where: Path) -> OSError | None:
@@ -178,7 +198,14 @@ def prune(run_dir: Path, keep: int) -> None:
     found = complete_checkpoints(run_dir)
     if keep > 0:
         for _, path in found[:-keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            # renamed first: a kill mid-removal leaves a temporary directory (removed at the next start), never a
+            # step directory without its manifest, which a relaunch would have to report as unverifiable
+            gone = path.parent / f"{TMP_PREFIX}pruned-{path.name}-{os.getpid()}"
+            try:
+                path.rename(gone)
+            except OSError:
+                gone = path
+            shutil.rmtree(gone, ignore_errors=True)
     for path in leftover_temporaries(run_dir):
         pid = path.name.rsplit("-", 1)[-1]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):

@@ -42,10 +42,12 @@ if TYPE_CHECKING:
     from data.tokenizer import Tokenizer
 
 
-def consolidated_weights(path: Path) -> dict[str, torch.Tensor]:
-    """Full fp32 state dict of checkpoint directory ``path``, whatever engine wrote it."""
+def consolidated_weights(path: Path, *, key: str = "--checkpoint") -> dict[str, torch.Tensor]:
+    """Full fp32 state dict of checkpoint directory ``path``, whatever engine wrote it, once the files it reads
+    match their checksums (``verify_checkpoint``: a file checked earlier in this process is not read twice)."""
     from safetensors.torch import load_file
 
+    verify_checkpoint(path, key=key)
     if (path / ckpt.MODEL_FILE).is_file():
         return load_file(str(path / ckpt.MODEL_FILE))
     # torch's dcp_to_torch_save and DeepSpeed's zero_to_fp32 unpickle unchecked; run.safe_load reads through allow-lists

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shutil
 import sys
 import time
@@ -158,6 +157,7 @@ def _import(
     from data.tokenizer import load_tokenizer
     from model import hf
     from model.transformer import build_model
+    from pretrain.checkpoint import write_manifest
     from run.hf_init import load_state
 
     source = hf.load_hf_config(hf_path)
@@ -201,7 +201,7 @@ def _import(
         }
         torch.save(trainer_state, tmp / "trainer.pt")
         meta = {"step": 0, "time": time.time(), "source": str(hf_path.resolve()), "architecture": imported.architecture}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        write_manifest(tmp, meta)  # last: the checksums of every file above
     (run_dir / "config.toml").write_text(cfg.to_toml())
     n_params = sum(p.numel() for p in model.parameters())
     log(f"imported {hf_path} ({imported.architecture}, {n_params:,} parameters) -> {import_dir}")

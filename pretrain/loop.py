@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -103,6 +104,10 @@ class Trainer:
         self.tokens = 0
         self.saved_step = -1  # the step of the newest checkpoint this run has (restored or written)
         self.stalled_ranks: str | None = None  # the ranks a failed collective waited for, named once found
+        # the bound on a collective between steps (set-up and the first step compile: the long one) and the key
+        # that sets the bound in effect now (a stall names it)
+        self.step_timeout = STARTUP_COLLECTIVE_TIMEOUT
+        self.timeout_key = "train.collective_timeout"
         self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
         self.stop = cfg.train.stop_at or cfg.train.max_steps
@@ -138,7 +143,7 @@ class Trainer:
             self.model.document_eos_id = self.corpus.tokenizer.eos_id
         check_patterns(self.model, cfg.train)
         self._apply_trainable()
-        if cfg.train.init_from and not ckpt.complete_checkpoints(self.run_dir):
+        if cfg.train.init_from and not ckpt.step_directories(self.run_dir):
             self._init_from(cfg.train.init_from)  # before the engine wraps the weights (FSDP2 shards, ZeRO copies them)
         self.engine: Engine = build_engine(self.model, cfg.train, self.device)
         # the loader is indexed by the data-parallel rank: the TP (and CP) ranks of one replica read the same sequences
@@ -176,7 +181,8 @@ class Trainer:
             config=cfg.to_dict(),
             enabled=self.engine.is_main,
         )
-        self._restore()
+        with self._checkpoint_timeout():  # verification and loading wait on every rank's share
+            self._restore()
         if self.engine.is_main:  # the resume is valid: now the run directory may change
             (self.run_dir / PREEMPTED_MARKER).unlink(missing_ok=True)  # this start is the requeued job
             self.corpus.tokenizer.save(self.run_dir)
@@ -277,13 +283,13 @@ class Trainer:
             self._init_from_hf(hf_dir)
             return
         path = ckpt.resolve_checkpoint(source, key="train.init_from")
-        state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
+        state = TrainState.from_state_dict(ckpt.verify_checkpoint(path, key="train.init_from"))
         if state.tokenizer_fingerprint != self.corpus.tokenizer.fingerprint:
             raise ConfigError(
                 f"data.tokenizer: does not match the tokenizer of {path}; set data.tokenizer to "
                 f"{path / 'tokenizer.model'}"
             )
-        ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True)
+        ckpt.load_weights(self.model, path, device=self.device, new_attention_ok=True, key="train.init_from")
         self._say(f"initialised weights from {path} (step {state.step})")
 
     def _init_from_hf(self, path: Path) -> None:
@@ -302,15 +308,17 @@ class Trainer:
         self._say(f"initialised weights from hf:{path} ({arch})")
 
     def _newest_good_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint whose files are whole (sizes and content checksums recorded at
-        write time, headers, trainer state; each rank hashes its share of the files). A damaged one (bits
-        flipped on disk, a kill mid-copy, a full disk) is skipped with one line and, once an older good one
-        is found, moved to ``checkpoints/damaged/`` so that pruning never counts it nor keeps it over the
-        good one. With none usable, nothing is moved and the run stops: never silently start over."""
-        first_problem: str | None = None
-        damaged: list[Path] = []
+        """The newest step directory that verifies: a well-formed manifest (``meta.json``: a checksum for every
+        file) and files whose sizes and content checksums match it, headers, trainer state (each rank hashes its
+        share of the files). One that does not (bits flipped on disk, a kill mid-copy, a full disk, a manifest
+        deleted or rewritten) is skipped with one line naming why and, once an older good one is found, moved to
+        ``checkpoints/damaged/`` so that pruning never counts it nor keeps it over the good one. With step
+        directories but none that verifies, nothing is touched and the run stops with one line (never silently
+        start over), unless ``checkpoint.unverifiable = start_over`` says to: then they are moved aside first."""
+        skipped: list[tuple[Path, str]] = []
         share = (self.engine.rank, self.engine.world_size)
-        for _, path in reversed(ckpt.complete_checkpoints(self.run_dir)):
+        found = ckpt.step_directories(self.run_dir)
+        for _, path in reversed(found):
             try:
                 ckpt.verify_checkpoint(path, key="resume", all_files=True, share=share)
                 problem = None
@@ -320,22 +328,42 @@ class Trainer:
                 problem = str(exc)
             problems = [p for p in self.engine.gather_object(problem) if p]
             if not problems:
+                for _, why in skipped:
+                    self._say(f"warning: skipping a damaged checkpoint: {why}")
                 if self.engine.is_main:
-                    for bad in damaged:
+                    for bad, _ in skipped:
                         self._say(f"warning: moved the damaged checkpoint aside: {ckpt.set_aside(bad)}")
                 return path
-            self._say(f"warning: skipping a damaged checkpoint: {problems[0]}")
-            first_problem = first_problem or problems[0]
-            damaged.append(path)
-        if first_problem:  # never silently start over (and overwrite the run) when none is usable
-            raise ConfigError(f"{first_problem}; no usable checkpoint is left in {self.run_dir}/checkpoints")
+            skipped.append((path, problems[0]))
+        if not skipped:
+            return None
+        root = ckpt.checkpoint_root(self.run_dir)
+        newest = skipped[0][1].removeprefix("resume: ")
+        what = f"{len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'}"
+        if self.cfg.checkpoint.unverifiable != "start_over":  # never silently start over and overwrite the run
+            raise ConfigError(
+                f"resume: no checkpoint in {root} can be verified ({what}; the newest: {newest}); nothing was "
+                f"changed; to start over on purpose use a new run.dir, or set checkpoint.unverifiable=start_over "
+                f"(moves them to {root / ckpt.DAMAGED_DIR})"
+            )
+        if self.engine.is_main:
+            for bad, _ in skipped:
+                ckpt.set_aside(bad)
+        self.engine.barrier()
+        self._say(
+            f"warning: checkpoint.unverifiable=start_over: moved {what} that cannot be verified to "
+            f"{root / ckpt.DAMAGED_DIR} (the newest: {newest}); training from step 0"
+        )
+        if self.cfg.train.init_from:  # read before the engine wrapped the weights, which this launch did not
+            raise ConfigError(
+                "checkpoint.unverifiable: the unverifiable checkpoints are out of the way now; launch again to "
+                "start from train.init_from"
+            )
         return None
 
     def _restore(self) -> None:
         path = self._newest_good_checkpoint()
         if path is None:
-            if self.cfg.train.init_from and ckpt.complete_checkpoints(self.run_dir):  # all damaged: not loaded yet
-                self._init_from(self.cfg.train.init_from)
             self.loggers.start_fresh()  # a restart before the first checkpoint: its metrics are stale
             return
         state = TrainState.from_state_dict(ckpt.load_trainer_state(path))
@@ -362,6 +390,24 @@ class Trainer:
         self.loggers.truncate_after(self.step)
         self._say(f"resumed from {path} at step {self.step} ({self.tokens:,} tokens)")
 
+    @contextlib.contextmanager
+    def _checkpoint_timeout(self) -> Iterator[None]:
+        """Collectives inside bounded by checkpoint.collective_timeout (0: train.collective_timeout), then by the
+        step-time bound again."""
+        seconds, key = self.cfg.checkpoint.collective_timeout, "checkpoint.collective_timeout"
+        if not seconds:
+            seconds, key = self.cfg.train.collective_timeout, "train.collective_timeout"
+        self._bound_collectives(seconds, key)
+        try:
+            yield
+        finally:
+            self._bound_collectives(self.step_timeout, "train.collective_timeout")
+
+    def _bound_collectives(self, seconds: float, key: str) -> None:
+        if self.engine.world_size > 1:
+            self.engine.set_collective_timeout(seconds)
+        self.timeout_key = key
+
     def _write_checkpoint_files(self, directory: Path) -> None:
         self.engine.write_state(directory)
         if self.engine.is_main:
@@ -372,20 +418,16 @@ class Trainer:
         if not self._weights_finite():
             self.error = f"train.nonfinite: non-finite weights at step {self.step}; no checkpoint written"
             return None
-        long = self.step > 0 and self.engine.world_size > 1  # a large save may outlast the step-time timeout
-        if long:
-            self.engine.set_collective_timeout(STARTUP_COLLECTIVE_TIMEOUT)
-        path = ckpt.save_checkpoint(
-            self.run_dir,
-            self.step,
-            write_engine_state=self._write_checkpoint_files,
-            trainer_state=self._trainer_state().state_dict(),
-            keep=self.cfg.checkpoint.keep,
-            meta={"tokens": self.tokens},
-            coord=self.engine,
-        )
-        if long:
-            self.engine.set_collective_timeout(self.cfg.train.collective_timeout)
+        with self._checkpoint_timeout():  # a stalled rank ends the job within it, saves included
+            path = ckpt.save_checkpoint(
+                self.run_dir,
+                self.step,
+                write_engine_state=self._write_checkpoint_files,
+                trainer_state=self._trainer_state().state_dict(),
+                keep=self.cfg.checkpoint.keep,
+                meta={"tokens": self.tokens},
+                coord=self.engine,
+            )
         self.saved_step = self.step
         self._say(f"checkpoint saved: {path}")
         self._call("post_checkpoint", path)
@@ -533,7 +575,11 @@ class Trainer:
                         break
                     raise
             if self.stalled_ranks is None:
-                self._call("post_train")  # signals here wait for the final checkpoint
+                try:
+                    self._call("post_train")  # signals here wait for the final checkpoint
+                except RuntimeError as exc:  # a rank stalled in the final save
+                    if not self._stalled(exc):
+                        raise
             self.loggers.close()
         if own:
             self.signals = None
@@ -553,7 +599,8 @@ class Trainer:
         self.engine.heartbeat(self.step)
         record = self.train_step(log_step)
         if self.step == first + 1:  # compiled and warmed up: from here on a stall is found in minutes
-            self.engine.set_collective_timeout(self.cfg.train.collective_timeout)
+            self.step_timeout = self.cfg.train.collective_timeout
+            self._bound_collectives(self.step_timeout, "train.collective_timeout")
         self._call("post_step", record)
         return False
 
@@ -566,11 +613,12 @@ class Trainer:
         if who is None:
             return False
         self.stalled_ranks = who
-        timeout = getattr(self.engine, "collective_timeout", None)
-        waited = f"no answer within train.collective_timeout={timeout:g} s" if timeout else "a collective failed"
+        timeout, key = getattr(self.engine, "collective_timeout", None), self.timeout_key
+        waited = f"no answer within {key}={timeout:g} s" if timeout else "a collective failed"
         said = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))[:80]  # gloo starts with its source line
-        self.error = f"train.collective_timeout: {who} stopped answering ({waited}{'; ' + said if said else ''})"
+        self.error = f"{key}: {who} stopped answering ({waited}{'; ' + said if said else ''})"
         atomic_write_text(self.run_dir / PREEMPTED_MARKER, f"{self.saved_step}\n")  # requeue from the last checkpoint
+        self.engine.end_stalled()  # a stopped rank on this host would hold the job for torchrun's shutdown grace
         return True
 
     def stop_requested(self) -> bool:

@@ -41,6 +41,8 @@ _KEYS = {
     "train.parallel": LAUNCH,  # tp / cp: the layout; DCP reshards the state onto another
     "train.deepspeed.zero_stage": LAUNCH,
     "train.deepspeed.config": LAUNCH,
+    "checkpoint.unverifiable": LAUNCH,  # what this launch does when no checkpoint verifies
+    "checkpoint.collective_timeout": LAUNCH,
 }
 HISTORY_PREFIX = "# resumed at step "
 # the optimizer's own copies of these come back from the checkpoint: a change must be written into it

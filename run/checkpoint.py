@@ -35,6 +35,9 @@ TRAINER_STATE = "trainer.pt"
 MODEL_FILE = "model.safetensors"  # consolidated weights (single engine; other engines export to it)
 # trainer.pt's layout: 1, the plain dict written before pretrain.state.TrainState (no "format" key); 2, TrainState
 TRAINER_STATE_FORMAT = 2
+# meta.json's layout: 1, an object with "files" (sizes) and "checksums" (one per file); written before the "format"
+# key existed too, so a manifest without it is format 1 (it must still hold a checksum for every file)
+MANIFEST_FORMAT = 1
 
 
 class NewerFormat(ConfigError):
@@ -60,6 +63,16 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
         m = STEP_DIR.match(path.name)
         if m and (path / META).is_file() and (path / TRAINER_STATE).is_file():
             found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def step_directories(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every ``step_*`` directory under the run's checkpoints, complete or not, oldest first:
+    what a relaunch must account for before it may train from step 0."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), path) for path in root.iterdir() if (m := STEP_DIR.match(path.name)) and path.is_dir()]
     return sorted(found)
 
 
@@ -102,22 +115,89 @@ def load_trainer_state(path: Path) -> dict[str, Any]:
     return torch_load(Path(path) / TRAINER_STATE, map_location="cpu")
 
 
+def files_of(path: Path) -> list[str]:
+    """Every file under checkpoint ``path`` but the manifest itself, relative, sorted."""
+    return sorted(p.relative_to(path).as_posix() for p in Path(path).rglob("*") if p.is_file() and p.name != META)
+
+
+def read_manifest(path: Path, *, key: str = "--checkpoint") -> dict[str, Any]:
+    """``meta.json`` of checkpoint ``path``, once it is well formed: a JSON object of a known format whose
+    ``checksums`` name a digest for every file the directory holds. Without that nothing in the directory can be
+    checked, so nothing in it is loaded: one ``ConfigError`` line naming what is missing."""
+    meta_file = Path(path) / META
+    if not meta_file.is_file():
+        raise ConfigError(f"{key}: {meta_file} is missing (the manifest of checksums every file is checked against)")
+    try:
+        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{key}: {meta_file} is damaged ({_why(exc)})") from None
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{key}: {meta_file} is not a manifest (a JSON {type(meta).__name__}, not an object)")
+    version = meta.get("format", 1)
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise ConfigError(f"{key}: {meta_file} has format {version!r}, not a manifest format this code knows")
+    if version > MANIFEST_FORMAT:
+        raise NewerFormat(
+            f"{key}: {meta_file} has format {version}, newer than this code reads ({MANIFEST_FORMAT}); "
+            "update focused-pretrain to read it"
+        )
+    sums = meta.get("checksums")
+    if not isinstance(sums, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in sums.items()):
+        raise ConfigError(f"{key}: {meta_file} records no checksums (written before them, or damaged)")
+    unrecorded = [name for name in files_of(path) if name not in sums]
+    if unrecorded:
+        raise ConfigError(f"{key}: {Path(path) / unrecorded[0]} has no checksum in {META}")
+    return meta
+
+
+# files whose content matched their recorded checksum in this process: (path, size, mtime, inode, digest); a file
+# checked once (a resume verifies everything, then the engine loads it) is not read twice while it is unchanged
+_matched: set[tuple[str, int, int, int, str]] = set()
+
+
+def _signature(file: Path, digest: str) -> tuple[str, int, int, int, str]:
+    st = file.stat()
+    return (str(file.resolve()), st.st_size, st.st_mtime_ns, st.st_ino, digest)
+
+
+def _check_sums(path: Path, sums: dict[str, str], names: Sequence[str]) -> str | None:
+    """``checksums.first_mismatch`` over ``names``, skipping files already matched unchanged in this process."""
+    todo = []
+    for name in names:
+        file = path / name
+        if not (file.is_file() and _signature(file, sums[name]) in _matched):
+            todo.append(name)
+    problem = checksums.first_mismatch(path, sums, todo)
+    if problem is None:
+        _matched.update(_signature(path / name, sums[name]) for name in todo)
+    return problem
+
+
+def verify_weights(path: Path, *, key: str = "--checkpoint") -> None:
+    """``model.safetensors`` of checkpoint ``path`` matches its checksum in a well-formed manifest (one
+    ``ConfigError`` line if not): what every loader of those weights runs first."""
+    path = Path(path)
+    sums = read_manifest(path, key=key)["checksums"]
+    if MODEL_FILE not in sums:
+        raise ConfigError(f"{key}: {path / MODEL_FILE} has no checksum in {META}")
+    problem = _check_sums(path, sums, [MODEL_FILE])
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
+
+
 def verify_checkpoint(
     path: Path, *, key: str = "--checkpoint", all_files: bool = False, share: tuple[int, int] = (0, 1)
 ) -> dict[str, Any]:
-    """Checks checkpoint ``path`` without loading its weights, and returns its trainer state: ``trainer.pt``
-    loads (weights only), ``model.safetensors`` (when present) has a header whose tensors the file covers,
-    some weights are there (``model.safetensors``, ``dcp/`` or ``ds/``), and ``trainer.pt`` and
-    ``model.safetensors`` (with ``all_files``, every file; a resume reads them all) have the sizes and the
-    content checksums ``meta.json`` recorded when they were written. ``share = (rank, world_size)``: hash
-    only this rank's part of those files (the ranks of a resume split the work). A damaged file is one
-    ``ConfigError`` line naming it."""
+    """Checks checkpoint ``path`` without loading its weights, and returns its trainer state: ``meta.json`` is a
+    well-formed manifest (``read_manifest``: a checksum for every file present), ``trainer.pt`` loads (weights
+    only), ``model.safetensors`` (when present) has a header whose tensors the file covers, some weights are
+    there (``model.safetensors``, ``dcp/`` or ``ds/``), and the files a reader reads have the sizes and the
+    content checksums the manifest recorded when they were written: ``trainer.pt`` and ``model.safetensors``,
+    every file when the weights are only in ``dcp/`` or ``ds/``, and with ``all_files`` (a resume reads them
+    all) every file recorded or present. ``share = (rank, world_size)``: hash only this rank's part of those
+    files (the ranks of a resume split the work). A damaged file is one ``ConfigError`` line naming it."""
     path = Path(path)
-    meta_file = path / META
-    try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8")) if meta_file.is_file() else {}
-    except (OSError, ValueError) as exc:
-        raise ConfigError(f"{key}: {meta_file} is damaged ({_why(exc)})") from None
+    meta = read_manifest(path, key=key)
     state_file = path / TRAINER_STATE
     try:
         state = load_trainer_state(path)
@@ -144,24 +224,27 @@ def verify_checkpoint(
             raise ConfigError(f"{key}: {weights} is damaged ({_why(exc)})") from None
     elif not ((path / "dcp").is_dir() or (path / "ds").is_dir()):
         raise ConfigError(f"{key}: {path} holds no weights ({MODEL_FILE}, dcp/ or ds/)")
-    recorded = meta.get("files") if isinstance(meta, dict) else None  # sizes at write time (newer checkpoints)
-    present = []
-    for name, size in recorded.items() if isinstance(recorded, dict) else ():
-        if not all_files and name not in (TRAINER_STATE, MODEL_FILE):
-            continue  # evaluation and export read no optimizer or engine state
+    sums: dict[str, str] = meta["checksums"]
+    if all_files:  # a resume: every file recorded must be there, and match
+        names = sorted(set(sums) | set(files_of(path)))
+    elif weights.is_file():  # evaluation and export read no optimizer or engine state
+        names = [TRAINER_STATE, MODEL_FILE]
+    else:  # the weights come from dcp/ or ds/ (model.safetensors removed on purpose): every file there is read
+        names = files_of(path)
+    for name in names:
+        if name not in sums:
+            raise ConfigError(f"{key}: {path / name} has no checksum in {META}")
+    recorded = meta.get("files")  # sizes at write time: a clearer line than a checksum for a truncated file
+    for name in names:
+        size = recorded.get(name) if isinstance(recorded, dict) else None
         file = path / name
         actual = file.stat().st_size if file.is_file() else None
-        if actual is None and not all_files:
-            continue  # removed on purpose (export reads dcp/ or ds/ then); weights at all were checked above
-        if actual != size:
+        if size is not None and actual != size:
             found = "missing" if actual is None else f"{actual} bytes"
             raise ConfigError(f"{key}: {file} is {found}, but {META} recorded {size} bytes when it was written")
-        present.append(name)
-    sums = meta.get("checksums") if isinstance(meta, dict) else None  # checkpoints written before them have none
-    if isinstance(sums, dict):
-        problem = checksums.first_mismatch(path, sums, checksums.share(present, *share))
-        if problem:
-            raise ConfigError(f"{key}: {problem}")
+    problem = _check_sums(path, sums, checksums.share(names, *share))
+    if problem:
+        raise ConfigError(f"{key}: {problem}")
     return state
 
 
@@ -172,9 +255,16 @@ def _why(exc: BaseException) -> str:
 
 
 def load_weights(
-    model: nn.Module, path: Path, *, device: torch.device | str = "cpu", new_attention_ok: bool = False
+    model: nn.Module,
+    path: Path,
+    *,
+    device: torch.device | str = "cpu",
+    new_attention_ok: bool = False,
+    key: str = "--checkpoint",
 ) -> None:
-    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not).
+    """Consolidated weights of checkpoint ``path`` into ``model`` (shapes must match: a clear error if not), once
+    they match their checksum in the checkpoint's manifest (``verify_weights``; ``key`` names the option in its
+    one-line error).
 
     ``new_attention_ok``: a retrofit (full-attention weights into a Focus model, say) may lack the
     attention variant's own parameters (``*.core.*``); they keep their initialisation. Anything
@@ -185,6 +275,7 @@ def load_weights(
 
     from run.hf_init import fit_line, shape_mismatches
 
+    verify_weights(path, key=key)
     file = str(Path(path) / MODEL_FILE)
     with safe_open(file, framework="pt") as f:
         shapes = {name: tuple(f.get_slice(name).get_shape()) for name in f.keys()}
@@ -226,7 +317,7 @@ def _differing_fields(path: Path, model: nn.Module) -> str:
 
 
 def load_model(
-    path: Path, *, device: torch.device | str = "cpu", overrides: Sequence[str] = ()
+    path: Path, *, device: torch.device | str = "cpu", overrides: Sequence[str] = (), key: str = "--checkpoint"
 ) -> tuple[Transformer, RunConfig]:
     """A checkpoint directory -> (model in eval mode, its RunConfig), from the consolidated weights.
 
@@ -239,10 +330,10 @@ def load_model(
     path = Path(path)
     if not (path / MODEL_FILE).is_file():
         raise FileNotFoundError(f"{path}: no {MODEL_FILE} (not a complete checkpoint directory)")
-    data = tomllib.loads(load_trainer_state(path)["config"])
+    data = tomllib.loads(verify_checkpoint(path, key=key)["config"])
     for assignment in overrides:
         configlib.apply_override(data, assignment)
     cfg = run_config_from_dict(data)
     model = build_model(cfg.model, device=device)
-    load_weights(model, path, device=device)
+    load_weights(model, path, device=device, key=key)
     return model.eval(), cfg

@@ -36,6 +36,7 @@ DEFAULT_DATA_DIR = "<cache root>/eval_data"  # core.cache: used when it exists a
 PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 NONFINITE_POLICIES = ("stop", "skip")
+UNVERIFIABLE_POLICIES = ("stop", "start_over")  # checkpoint.unverifiable
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
@@ -105,8 +106,9 @@ class TrainConfig:
     # step's update (at most nonfinite_skips in a row, then stop)
     nonfinite: str = "stop"
     nonfinite_skips: int = 3  # train.nonfinite = skip: consecutive skipped steps before stopping
-    # seconds a collective may wait for another rank once the first step is done (the first step and checkpoint
-    # saves get 30 minutes); a stalled rank then ends the job with one line naming it, and a requeue
+    # seconds a collective may wait for another rank once the first step is done (set-up and the first step, which
+    # compiles, get 30 minutes; checkpoint saves and resumes get checkpoint.collective_timeout, by default this);
+    # a stalled rank then ends the job with one line naming it, and a requeue
     collective_timeout: float = 300.0
     # [train.parallel]: tensor / context parallel degrees; data parallelism is the rest of the world size
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
@@ -189,10 +191,18 @@ class TrainConfig:
 class CheckpointConfig:
     every: int = 500  # steps between checkpoints; 0 = only at the end (and on preemption)
     keep: int = 3  # complete checkpoints kept (the newest); 0 = all
+    # a run.dir whose step directories hold no checkpoint that verifies (manifest and checksums): stop, one line,
+    # nothing touched; or start_over: move them to checkpoints/damaged/ and train from step 0 (on purpose)
+    unverifiable: str = "stop"
+    # seconds a collective of a checkpoint save or resume may wait for another rank (a large save on slow storage
+    # may need more than the step-time bound); 0 = train.collective_timeout
+    collective_timeout: float = 0.0
 
     def validate(self) -> None:
         check_min("checkpoint.every", self.every, 0)
         check_min("checkpoint.keep", self.keep, 0)
+        check_choice("checkpoint.unverifiable", self.unverifiable, UNVERIFIABLE_POLICIES)
+        check_min("checkpoint.collective_timeout", self.collective_timeout, 0.0)
 
 
 @dataclass

@@ -184,8 +184,7 @@ def reseal_checkpoint(checkpoint: Path) -> None:
     meta = json.loads(meta_file.read_text())
     names = sorted(p.relative_to(checkpoint).as_posix() for p in checkpoint.rglob("*") if p.is_file())
     names = [name for name in names if name != "meta.json"]
-    if "files" in meta:
-        meta["files"] = {name: (checkpoint / name).stat().st_size for name in names}
-    if "checksums" in meta:
-        meta["checksums"] = checksums.digests(checkpoint, names)
+    meta["format"] = meta.get("format", 1)
+    meta["files"] = {name: (checkpoint / name).stat().st_size for name in names}
+    meta["checksums"] = checksums.digests(checkpoint, names)
     meta_file.write_text(json.dumps(meta))

@@ -204,6 +204,9 @@ class Engine:
         """After a collective failed: a phrase naming the rank(s) that stopped answering, if one can tell."""
         return None
 
+    def end_stalled(self) -> None:
+        """End the processes of the ranks ``stalled`` named, where this rank can (the job is ending)."""
+
     # ---- checkpoint state -----------------------------------------------------------
     def write_state(self, directory: Path) -> None:
         raise NotImplementedError

@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import signal
+import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -110,23 +112,30 @@ class DataParallelEngine(Engine):
         return out
 
     def set_collective_timeout(self, seconds: float) -> None:
-        # torchtitan does the same after its first step: the long start-up timeout only while compiling
-        dist.distributed_c10d._set_pg_timeout(timedelta(seconds=seconds))
+        # torchtitan does the same after its first step: the long start-up timeout only while compiling. Every
+        # group this rank is in (the mesh's tp / cp / shard groups too): each has its own timeout
+        bound = timedelta(seconds=seconds)
+        for group in list(dist.distributed_c10d._world.pg_map):
+            if not dist.distributed_c10d._rank_not_in_group(group):
+                dist.distributed_c10d._set_pg_timeout(bound, group)
         self.collective_timeout = seconds
 
     def heartbeat(self, step: int) -> None:
-        # one small write to the launcher's key-value store per step, readable while a rank is stopped
-        dist.distributed_c10d._get_default_store().set(f"{HEARTBEAT}/{self.rank}", f"{step} {time.time():.3f}")
+        # one small write to the launcher's key-value store per step, readable while a rank is stopped; the host
+        # and pid let a rank on the same host end a stalled one (end_stalled)
+        beat = f"{step} {time.time():.3f} {socket.gethostname()} {os.getpid()}"
+        dist.distributed_c10d._get_default_store().set(f"{HEARTBEAT}/{self.rank}", beat)
 
     def stalled(self) -> str | None:
         try:
             store = dist.distributed_c10d._get_default_store()
-            beats = {}
+            beats, where = {}, {}
             for rank in range(self.world_size):
                 key = f"{HEARTBEAT}/{rank}"
                 if store.check([key]):
-                    step, when = store.get(key).decode().split()
+                    step, when, *host_pid = store.get(key).decode().split()
                     beats[rank] = (int(step), float(when))
+                    where[rank] = tuple(host_pid)
         except Exception:  # the store itself may be gone with the launcher
             return None
         if self.rank not in beats:
@@ -140,11 +149,25 @@ class DataParallelEngine(Engine):
             behind = [r for r, (_, when) in beats.items() if r != self.rank and when - oldest < 1.0]
         if not behind:
             return None
+        host = socket.gethostname()
+        self._stalled_pids = [int(where[r][1]) for r in behind if len(where.get(r, ())) == 2 and where[r][0] == host]
         parts = []
         for rank in behind:
             seen = f"last at step {beats[rank][0]}, {now - beats[rank][1]:.0f} s ago" if rank in beats else "no step"
             parts.append(f"rank {rank} ({seen})")
         return ", ".join(parts)
+
+    def end_stalled(self) -> None:
+        """SIGKILL the stalled ranks that ``stalled`` found on this host, when they are workers of this rank's own
+        launcher: the job is ending, and torchrun's SIGTERM cannot reach a stopped process (it would wait its
+        30-second shutdown grace, then kill it)."""
+        for pid in getattr(self, "_stalled_pids", []):
+            try:
+                fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[1]) == os.getppid():  # a sibling: the same torchrun agent started it
+                    os.kill(pid, signal.SIGKILL)
+            except (OSError, IndexError, ValueError):
+                pass  # gone already, or not ours to end
 
     def close(self) -> None:
         if dist.is_initialized():

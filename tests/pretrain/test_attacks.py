@@ -722,3 +722,57 @@ def test_a_planted_pytorch_model_bin_is_refused(case: str, tmp_path: Path):
     assert not marker.exists(), "the planted code ran"
     message = str(info.value)
     assert "\n" not in message and re.search(rf"cannot read {re.escape(str(tmp_path))}/pytorch_model.bin", message)
+
+
+# ---- issue 41: the checkpoint rows (manifests, silent restarts, a rank stalled in a save) ---------------------
+
+# the "case" column of issue 41's table, the rows about checkpoints (backticks dropped), and its "must hold" lines
+# about them; the table's other rows (sizes, foreign configs, tokenizers, CLI arguments) are listed apart
+TABLE_41_CHECKPOINTS = (
+    "every checkpoint's meta.json deleted (a partial copy or restore, a cleanup of *.json), "
+    "then the same command again",
+    "meta.json without its checksums key, or replaced by [], plus flipped bits in model.safetensors",
+    "only the newest meta.json deleted",
+    "one fsdp2 rank SIGSTOPped while the step-6 checkpoint is saved, train.collective_timeout=60",
+)
+MUST_HOLD_41_CHECKPOINTS = (
+    "a test deletes every meta.json of a run and relaunches: exit 2, one line, every step directory unchanged (bytes)",
+    "tests with the manifest removed, replaced by [], and missing one file's checksum, each with flipped weights: "
+    "no resume from that checkpoint, one line",
+    "the stalled-rank-during-save test passes on fsdp2 within collective_timeout + 30 s",
+)
+_EVERY_META_DELETED = f"{INTEGRITY}::test_every_manifest_deleted_the_relaunch_refuses_in_one_line_and_touches_nothing"
+_NEWEST_MANIFEST = f"{INTEGRITY}::test_a_newest_checkpoint_without_a_good_manifest_is_skipped_with_one_line"
+_LOADERS = f"{INTEGRITY}::test_no_loader_reads_weights_a_manifest_does_not_vouch_for"
+_STALLED_SAVE = (
+    "tests/e2e/test_stalled_rank.py::test_a_rank_stopped_during_a_save_ends_the_job_within_the_timeout_plus_grace"
+)
+ATTACKS_41_CHECKPOINTS = [
+    Attack("every-meta-deleted", TABLE_41_CHECKPOINTS[0], "single", _EVERY_META_DELETED),
+    Attack("manifest-no-checksums", TABLE_41_CHECKPOINTS[1], "single", f"{_NEWEST_MANIFEST}[no-checksums]"),
+    Attack("manifest-a-list", TABLE_41_CHECKPOINTS[1], "single", f"{_NEWEST_MANIFEST}[a-list]"),
+    # every loader of weights (resume's verifier, load_weights, eval's load_model, export), each manifest case
+    Attack("manifest-every-loader", TABLE_41_CHECKPOINTS[1], "any", _LOADERS),
+    Attack("newest-meta-deleted", TABLE_41_CHECKPOINTS[2], "single", f"{_NEWEST_MANIFEST}[deleted]"),
+    Attack("sigstop-rank-during-save", TABLE_41_CHECKPOINTS[3], "fsdp2", _STALLED_SAVE),
+    Attack("must-every-meta-deleted", MUST_HOLD_41_CHECKPOINTS[0], "single", _EVERY_META_DELETED),
+    *(
+        Attack(f"must-manifest-{case}", MUST_HOLD_41_CHECKPOINTS[1], "single", f"{_NEWEST_MANIFEST}[{case}]")
+        for case in ("deleted", "a-list", "one-checksum-missing", "no-checksums")
+    ),
+    Attack("must-sigstop-during-save", MUST_HOLD_41_CHECKPOINTS[2], "fsdp2", _STALLED_SAVE),
+]
+
+
+def test_issue_41_checkpoint_rows_each_name_a_test_that_exists():
+    """Every checkpoint row of issue 41's table and each of its must-hold lines about them has a case; each case
+    names a test (``path::function[param]``) whose file defines the function and holds the parameter id."""
+    assert len({a.id for a in ATTACKS_41_CHECKPOINTS}) == len(ATTACKS_41_CHECKPOINTS), "case ids are unique"
+    assert {a.row for a in ATTACKS_41_CHECKPOINTS} == set(TABLE_41_CHECKPOINTS + MUST_HOLD_41_CHECKPOINTS)
+    assert not {a.id for a in ATTACKS_41_CHECKPOINTS} & {a.id for a in ATTACKS}, "ids unique across the issues"
+    for a in ATTACKS_41_CHECKPOINTS:
+        path, _, rest = a.test.partition("::")
+        name, _, param = rest.partition("[")
+        text = (REPO / path).read_text()
+        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
+        assert not param or f'"{param.rstrip("]")}"' in text, a

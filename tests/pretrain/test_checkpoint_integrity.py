@@ -1,6 +1,8 @@
 """Checkpoints that cannot be silently wrong (issue 30): every file carries a content checksum in
 ``meta.json``; bytes flipped anywhere in the newest checkpoint send the resume to the previous one with
-a one-line warning naming the file, and the damaged one is moved aside, never pruned over the good one."""
+a one-line warning naming the file, and the damaged one is moved aside, never pruned over the good one.
+Issue 41: the manifest itself is verified (deleted, malformed or incomplete: not loadable, by any loader), and
+a run directory whose step directories hold no verifiable checkpoint is never trained from step 0 silently."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import time
 import pytest
 
 from pretrain import checkpoint as ckpt
+from pretrain.loop import Trainer
 from run import checksums
 from tests.pretrain.test_robustness import config, losses, train
 
@@ -195,3 +198,175 @@ def test_a_newer_trainer_state_format_is_refused_not_taken_for_damage(tmp_path):
     with pytest.raises(NewerFormat, match=r"^--checkpoint: .*trainer.pt has format 99, newer than this code reads"):
         verify_checkpoint(path)
     assert torch.load(path / "trainer.pt", weights_only=True)["format"] == 99
+
+
+# ---- issue 41: the manifest is part of what is verified; a run never starts over silently -----------------------
+
+# a manifest that cannot vouch for the files beside it: (case, how to rewrite meta.json, the refusal's words)
+MANIFESTS = {
+    "deleted": (None, "meta.json is missing"),
+    "no-checksums": (lambda meta: {k: v for k, v in meta.items() if k != "checksums"}, "records no checksums"),
+    "a-list": (lambda meta: [], "is not a manifest (a JSON list"),
+    "one-checksum-missing": (
+        lambda meta: {**meta, "checksums": {k: v for k, v in meta["checksums"].items() if k != "model.safetensors"}},
+        "model.safetensors has no checksum in meta.json",
+    ),
+    "unknown-format": (lambda meta: {**meta, "format": "one"}, "has format 'one', not a manifest format"),
+}
+
+
+def rewrite_manifest(checkpoint, case: str) -> str:
+    """Rewrite (or delete) ``checkpoint``'s meta.json as ``case`` says; returns the words its refusal holds."""
+    change, words = MANIFESTS[case]
+    meta_file = checkpoint / "meta.json"
+    if change is None:
+        meta_file.unlink()
+    else:
+        meta_file.write_text(json.dumps(change(json.loads(meta_file.read_text()))))
+    return words
+
+
+@pytest.fixture
+def small_checkpoint(tmp_path):
+    """A checkpoint as the trainer writes it (manifest, trainer state, weights, tokenizer), no training: a run
+    directory ``tmp_path / "run"`` holding step 1."""
+    from safetensors.torch import save_model
+
+    from model.transformer import build_model
+    from tests.pretrain.test_robustness import CORPUS
+
+    cfg = config(tmp_path / "run", tmp_path / "cache")
+    model = build_model(cfg.model)
+    state = {"step": 1, "tokens": 0, "config": cfg.to_toml()}
+    assert CORPUS.is_file()
+    return ckpt.save_checkpoint(
+        cfg.run_dir,
+        1,
+        write_engine_state=lambda d: save_model(model, str(d / "model.safetensors")),
+        trainer_state=state,
+        keep=0,
+    )
+
+
+def _loaders():
+    """Every reader of a checkpoint's weights, as ``name -> read(path)``: resume (the single engine's read_state
+    loads through load_weights, after verify_checkpoint), train.init_from, eval (load_model), export."""
+    from model.transformer import build_model
+    from pretrain.export import consolidated_weights
+    from run.checkpoint import load_model, load_weights, verify_checkpoint
+
+    def weights(path):
+        cfg = config(path.parent.parent, path.parent.parent / "cache")
+        load_weights(build_model(cfg.model), path)
+
+    return {
+        "resume-verify": lambda path: verify_checkpoint(path, key="resume", all_files=True),
+        "load_weights": weights,
+        "eval-load_model": load_model,
+        "export": consolidated_weights,
+    }
+
+
+@pytest.mark.parametrize("loader", ["resume-verify", "load_weights", "eval-load_model", "export"])
+@pytest.mark.parametrize("case", [*MANIFESTS, "intact"])
+def test_no_loader_reads_weights_a_manifest_does_not_vouch_for(small_checkpoint, case, loader):
+    """Bits flipped in model.safetensors, and the manifest deleted, stripped of its checksums, replaced by ``[]``,
+    missing the weights' checksum, of an unknown format, or intact: every loader refuses in one line."""
+    from core.errors import ConfigError
+
+    flip_bytes(small_checkpoint / "model.safetensors", 20, random.Random(SEED))
+    words = "model.safetensors does not match the checksum" if case == "intact" else ""
+    if case != "intact":
+        words = rewrite_manifest(small_checkpoint, case)
+    with pytest.raises(ConfigError) as info:
+        _loaders()[loader](small_checkpoint)
+    assert "\n" not in str(info.value) and words in str(info.value), str(info.value)
+
+
+def test_a_file_added_after_the_save_has_no_checksum_and_is_refused(small_checkpoint):
+    from core.errors import ConfigError
+
+    ckpt.verify_checkpoint(small_checkpoint, all_files=True)
+    (small_checkpoint / "extra.bin").write_bytes(b"x")
+    with pytest.raises(ConfigError, match=r"extra.bin has no checksum in meta.json$"):
+        ckpt.verify_checkpoint(small_checkpoint)
+
+
+def test_a_newer_manifest_format_is_refused_not_taken_for_damage(small_checkpoint):
+    from run.checkpoint import NewerFormat
+
+    meta = json.loads((small_checkpoint / "meta.json").read_text())
+    assert meta["format"] == ckpt.MANIFEST_FORMAT
+    (small_checkpoint / "meta.json").write_text(json.dumps({**meta, "format": 99}))
+    with pytest.raises(NewerFormat, match="meta.json has format 99, newer than this code reads"):
+        ckpt.verify_checkpoint(small_checkpoint)
+
+
+def _tree(root) -> dict[str, str]:
+    """Every file under ``root`` (relative path -> content checksum): what must stay byte-identical."""
+    return {p.relative_to(root).as_posix(): checksums.file_digest(p) for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.slow  # a few seconds of set-up (no training)
+def test_every_manifest_deleted_the_relaunch_refuses_in_one_line_and_touches_nothing(
+    stopped_at_4, tmp_path, cache, capsys
+):
+    """Every checkpoint's meta.json deleted (a partial restore, a cleanup of *.json), the same command again: exit
+    2, one line naming what is missing and how to start over on purpose, every step directory byte-identical;
+    with checkpoint.unverifiable=start_over the step directories move to checkpoints/damaged/ (still
+    byte-identical) and training starts from step 0."""
+    import shutil
+
+    from pretrain.train import main
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    root = run_dir / "checkpoints"
+    for _, path in ckpt.step_directories(run_dir):
+        (path / "meta.json").unlink()
+    before = _tree(root)
+    config_file = tmp_path / "config.toml"
+    config_file.write_text(config(run_dir, cache).to_toml())
+    capsys.readouterr()
+    assert main(["--config", str(config_file)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: resume: no checkpoint in {root} can be verified"), err
+    assert "step_00000004/meta.json is missing" in err
+    assert "use a new run.dir, or set checkpoint.unverifiable=start_over" in err
+    assert _tree(root) == before
+
+    trainer = Trainer(config(run_dir, cache, **{"checkpoint.unverifiable": "start_over"}))
+    trainer.setup()
+    trainer.release_run_dir()
+    assert trainer.step == 0 and ckpt.step_directories(run_dir) == []
+    assert _tree(root / "damaged") == before
+    out = capsys.readouterr().out
+    assert "checkpoint.unverifiable=start_over: moved 2 step directories that cannot be verified" in out, out
+
+
+@pytest.mark.slow  # a few seconds of set-up (no training)
+@pytest.mark.parametrize("case", ["deleted", "no-checksums", "a-list", "one-checksum-missing"])
+def test_a_newest_checkpoint_without_a_good_manifest_is_skipped_with_one_line(
+    stopped_at_4, tmp_path, cache, case, capsys
+):
+    """Only the newest checkpoint's manifest deleted, stripped of its checksums, replaced by ``[]`` or missing the
+    weights' checksum, with bits flipped in its weights: no resume from it; the relaunch says so in one line with
+    the reason and resumes from the previous one."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    flip_bytes(newest / "model.safetensors", 20, random.Random(SEED))
+    words = rewrite_manifest(newest, case)
+    capsys.readouterr()
+    trainer = Trainer(config(run_dir, cache))
+    trainer.setup()
+    trainer.release_run_dir()
+    out = capsys.readouterr().out
+    assert trainer.step == 2 and "resumed from" in out and "step_00000002 at step 2" in out, out
+    skips = [line for line in out.splitlines() if line.startswith("warning: skipping a damaged checkpoint")]
+    assert len(skips) == 1 and str(newest) in skips[0] and words in skips[0], out
+    assert (run_dir / "checkpoints" / "damaged" / "step_00000004").is_dir()  # kept, out of the way

@@ -2,7 +2,9 @@
 
 ``tests/fixtures/resume_v1`` was written by the code before TrainState (trainer.pt as a plain dict,
 format 1): a 1-layer model stopped at step 3 of 6, with that code's uninterrupted 6-step metrics
-beside it. The current code must resume it and reproduce those losses bit for bit.
+beside it. The current code must resume it and reproduce those losses bit for bit. Its ``meta.json`` was
+resealed with every file's checksum (``tests.conftest.reseal_checkpoint``): since issue 41 no checkpoint
+without a complete manifest loads, and the subject here is trainer.pt's layout.
 """
 
 from __future__ import annotations
