@@ -186,7 +186,17 @@ class ParallelLayout:
 
 
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` ascending, by trial division up to sqrt(n): a planner's search over a million devices
+    stays instant."""
+    low, high = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            low.append(k)
+            if k != n // k:
+                high.append(n // k)
+        k += 1
+    return low + high[::-1]
 
 
 def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
@@ -220,6 +230,9 @@ def check_world(train: TrainBatchLayout, world_size: int) -> ParallelLayout:
     """The layout of ``world_size`` processes plus the batch split the loader will demand, checked as soon as the
     world size is known (``WORLD_SIZE`` under torchrun, ``--dry-run`` included, or the launcher's nodes x processes)
     rather than after every process has joined the group."""
+    from run.sizes import check_world_size
+
+    check_world_size(world_size, "world size")
     layout = ParallelLayout.of(train, world_size)
     layout.check_batch(train.batch_size, train.micro_batch_size)
     return layout
