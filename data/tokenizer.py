@@ -244,11 +244,12 @@ def _companions(folder: Path) -> tuple[Path, ...]:
 def load_tokenizer_folder(path: Path) -> Tokenizer:
     """A Hugging Face tokenizer folder: tokenizer.json, else tokenizer.model, else one .tiktoken file,
     else the slow-tokenizer files converted by ``transformers`` (in memory; ``save`` writes tokenizer.json)."""
+    companions = _companions(path)  # refuses custom code before anything is read or transformers is asked
     if (path / "tokenizer.json").is_file():
         return load_tokenizer(path / "tokenizer.json")
     if (path / "tokenizer.model").is_file():
         tok: Tokenizer = SentencePieceTokenizer(path / "tokenizer.model")
-        tok.companions = _companions(path)
+        tok.companions = companions
         return tok
     ranks = sorted(path.glob("*.tiktoken"))
     if len(ranks) == 1:
@@ -260,7 +261,6 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
             f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file (converting other "
             "Hugging Face tokenizer files needs pip install transformers)"
         ) from None
-    companions = _companions(path)  # refuses custom code before transformers could be asked to run it
     try:
         # trust_remote_code=False also when a folder slips past the check above: transformers then refuses
         # instead of asking "run the custom code? [y/N]" at a terminal

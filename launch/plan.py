@@ -34,8 +34,8 @@ from typing import TYPE_CHECKING
 from core import configlib
 from core.errors import ConfigError, OneLineParser
 from core.files import atomic_write_text
-from run.parallel import ParallelLayout
-from run.sizes import check_parameters_fit, check_world_size
+from run.parallel import ParallelLayout, check_world_size
+from run.sizes import check_parameters_fit
 
 if TYPE_CHECKING:
     from torch import nn

@@ -22,21 +22,13 @@ import os
 from typing import TYPE_CHECKING
 
 from core.errors import ConfigError
+from run.parallel import check_world_size
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
     from run.config import RunConfig
 
-MAX_WORLD = 2**20  # devices in one job: far past any job run (the largest have ~2^17)
 GIB = 1 << 30
-
-
-def check_world_size(world: int, key: str) -> None:
-    """A device / process count: >= 1 and at most ``MAX_WORLD``."""
-    if world < 1:
-        raise ConfigError(f"{key}: must be >= 1, got {world}")
-    if world > MAX_WORLD:
-        raise ConfigError(f"{key}: {world:,} devices is beyond {MAX_WORLD:,} (2^20, a sane upper bound for one job)")
 
 
 def host_memory() -> int | None:
@@ -56,12 +48,12 @@ def rank_memory(device: str) -> tuple[int, str] | None:
     if wants_cuda:
         if not torch.cuda.is_available():
             return None
-        index = torch.device(device).index if device.startswith("cuda") else None
-        index = 0 if index is None or index >= torch.cuda.device_count() else index
+        named = torch.device(device).index if device.startswith("cuda") else None
+        index = 0 if named is None or named >= torch.cuda.device_count() else named
         total = torch.cuda.get_device_properties(index).total_memory
         return total, f"{total / GIB:.1f} GiB of device memory"
-    total = host_memory()
-    return None if total is None else (total, f"{total / GIB:.1f} GiB of memory on this host")
+    host = host_memory()
+    return None if host is None else (host, f"{host / GIB:.1f} GiB of memory on this host")
 
 
 def check_parameters_fit(model: ModelConfig, capacity: int, where: str) -> None:
