@@ -45,13 +45,14 @@ check that the suite still runs. Its profiles are of CPU operators (no device: k
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -65,6 +66,7 @@ import torch
 from bench import attention as attn
 from bench import gpu_report, profiling, train_step
 from bench.pytest_outcomes import OUTCOMES_ENV
+from core.errors import OneLineParser
 
 REPO = Path(__file__).resolve().parents[1]
 FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
@@ -407,8 +409,21 @@ def run_items(
         gpu_report.write(report, out)
 
 
+def _writable_out(out: Path) -> str:
+    """'' when ``out`` is (or can be made) a directory this process writes into, else why not (one line)."""
+    if out.exists() and not out.is_dir():
+        return f"{out} is a file; name a directory for gpu_suite.json and gpu_suite.md"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # the one sure test of a write (root ignores permission bits)
+            pass
+    except OSError as exc:
+        return f"cannot write into {out} ({exc.strerror or exc})"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="python -m bench.gpu", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory for gpu_suite.json and gpu_suite.md")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds for the whole run (default 540)")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -418,18 +433,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "--only", default="", help="run only items whose name contains one of these comma-separated words"
     )
     args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: no CUDA device here (--device cpu --quick runs the suite on tiny shapes)")
-    if args.device == "cpu" and args.quick:
-        torch.set_num_threads(1)  # a CI machine is shared: one thread measures less noise than contended ones
+    # every argument is checked before any work starts: a wasted GPU run is the cost of a typo found late
+    if not math.isfinite(args.budget) or args.budget <= 0:
+        parser.error(f"--budget: must be a finite number of seconds > 0, got {args.budget}")
     plan = QUICK_PLAN if args.quick else GPU_PLAN
     if args.no_profile:
         plan = dataclasses.replace(plan, profile_steps=0)
-    args.out.mkdir(parents=True, exist_ok=True)
-    items = build_items(args.device, plan, args.quick, args.out)
+    every = build_items(args.device, plan, args.quick, args.out)
     words = [w.strip() for w in args.only.split(",") if w.strip()]
-    if words:
-        items = [i for i in items if any(w in i.name for w in words)]
+    if args.only and not words:
+        parser.error(f"--only: {args.only!r} names no word")
+    items = [i for i in every if any(w in i.name for w in words)] if words else every
+    if not items:
+        names = ", ".join(dict.fromkeys(i.name.split(" T=")[0] for i in every))
+        parser.error(f"--only: {args.only!r} matches no item's name (items: {names})")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device here (--device cpu --quick runs the suite on tiny shapes)")
+    problem = _writable_out(args.out)
+    if problem:
+        parser.error(f"--out: {problem}")
+    if args.device == "cpu" and args.quick:
+        torch.set_num_threads(1)  # a CI machine is shared: one thread measures less noise than contended ones
     command = gpu_report.command_line(argv)
     env = gpu_report.environment(args.device, command)
     report: dict[str, Any] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -31,6 +32,28 @@ class MixtureEntry:
             return self.path
         check_choice("data.mixture.source", self.source, (*HUB, "local"))
         return f"{self.source}:{self.name}" if self.name else self.source
+
+
+def custom_code(folder: Path) -> str:
+    """Where a tokenizer folder names custom code, else '': an ``auto_map`` in tokenizer_config.json (the tokenizer's
+    own), or an ``AutoTokenizer`` entry in config.json's (a model's auto_map for its model classes is not the
+    tokenizer's: a focused export's folder keeps it)."""
+    for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
+        try:
+            config = json.loads((folder / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        auto_map = config.get("auto_map") if isinstance(config, dict) else None
+        if auto_map and (key is None or not isinstance(auto_map, dict) or key in auto_map):
+            return f"auto_map in {name}"
+    return ""
+
+
+def custom_code_line(folder: Path, where: str) -> str:
+    return (
+        f"data.tokenizer: {folder} names custom code ({where}), which this project never runs nor copies; give a "
+        "folder without it (tokenizer.json, tokenizer.model or a .tiktoken file alone)"
+    )
 
 
 @dataclass
@@ -146,6 +169,10 @@ class DataConfig:
                     f"data.tokenizer: {self.tokenizer!r} is not a SentencePiece .model, a tokenizer.json or a "
                     ".tiktoken file"
                 )
+            folder = path if path.is_dir() else path.parent
+            where = custom_code(folder) if path.is_dir() or path.name in ("tokenizer.json", "tokenizer.model") else ""
+            if where:  # checked here too, so that --dry-run says it (data/tokenizer.py refuses it when loading)
+                raise ConfigError(custom_code_line(folder, where))
 
     @property
     def cache_path(self) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError, OneLineParser, cli_errors
-from data.config import MIN_TRAINED_VOCAB, DataConfig
+from data.config import MIN_TRAINED_VOCAB, DataConfig, custom_code, custom_code_line
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -215,7 +215,6 @@ def _token_name(value: object) -> str | None:
 def hf_special_tokens(folder: Path) -> dict[str, str]:
     """``eos_token`` / ``bos_token`` a Hugging Face folder declares (tokenizer_config.json over
     special_tokens_map.json); {} when it declares none."""
-    import json
 
     found: dict[str, str] = {}
     for name in ("special_tokens_map.json", "tokenizer_config.json"):
@@ -234,17 +233,23 @@ def hf_special_tokens(folder: Path) -> dict[str, str]:
 
 
 def _companions(folder: Path) -> tuple[Path, ...]:
+    """The Hugging Face files beside a tokenizer that travel with it (into checkpoints and exports): refused when
+    they name custom code (``data.config.custom_code``), so that no ``auto_map`` ever travels."""
+    where = custom_code(folder)
+    if where:
+        raise ConfigError(custom_code_line(folder, where))
     return tuple(folder / name for name in HF_COMPANIONS if (folder / name).is_file())
 
 
 def load_tokenizer_folder(path: Path) -> Tokenizer:
     """A Hugging Face tokenizer folder: tokenizer.json, else tokenizer.model, else one .tiktoken file,
     else the slow-tokenizer files converted by ``transformers`` (in memory; ``save`` writes tokenizer.json)."""
+    companions = _companions(path)  # refuses custom code before anything is read or transformers is asked
     if (path / "tokenizer.json").is_file():
         return load_tokenizer(path / "tokenizer.json")
     if (path / "tokenizer.model").is_file():
         tok: Tokenizer = SentencePieceTokenizer(path / "tokenizer.model")
-        tok.companions = _companions(path)
+        tok.companions = companions
         return tok
     ranks = sorted(path.glob("*.tiktoken"))
     if len(ranks) == 1:
@@ -256,11 +261,6 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
             f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file (converting other "
             "Hugging Face tokenizer files needs pip install transformers)"
         ) from None
-    if _names_custom_code(path):
-        raise ConfigError(
-            f"data.tokenizer: {path} names custom code (auto_map in tokenizer_config.json), which this project never "
-            "runs; give a folder with tokenizer.json, tokenizer.model or a .tiktoken file"
-        )
     try:
         # trust_remote_code=False also when a folder slips past the check above: transformers then refuses
         # instead of asking "run the custom code? [y/N]" at a terminal
@@ -273,16 +273,8 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
             f"cannot read it ({reason})"
         ) from None
     tok = HFTokenizer(path, data=data, special=hf_special_tokens(path))
-    tok.companions = _companions(path)
+    tok.companions = companions
     return tok
-
-
-def _names_custom_code(folder: Path) -> bool:
-    try:
-        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return isinstance(config, dict) and bool(config.get("auto_map"))
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:

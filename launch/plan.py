@@ -34,7 +34,8 @@ from typing import TYPE_CHECKING
 from core import configlib
 from core.errors import ConfigError, OneLineParser
 from core.files import atomic_write_text
-from run.parallel import ParallelLayout
+from run.parallel import ParallelLayout, check_world_size
+from run.sizes import check_parameters_fit
 
 if TYPE_CHECKING:
     from torch import nn
@@ -386,6 +387,21 @@ def emitted_config(raw: dict, chosen: Estimate) -> dict:
 
 # ---- the command --------------------------------------------------------------------------------
 
+MAX_DEVICE_MEMORY = 1 << 50
+
+
+def check_emit_path(path: Path) -> None:
+    """``--emit``'s file can be written: its folder exists and is writable, and it is not a folder itself."""
+    import os
+
+    folder = path.parent if str(path.parent) else Path(".")
+    if path.is_dir():
+        raise ConfigError(f"--emit: {path} is a directory; name the .toml file to write")
+    if not folder.is_dir():
+        raise ConfigError(f"--emit: the folder {folder} does not exist (create it, or name a file in one that does)")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"--emit: the folder {folder} is not writable")
+
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
@@ -405,18 +421,23 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from run.config import load_run_config, raw_run_config
 
-        if args.gpus < 1:
-            raise ConfigError(f"--gpus: must be >= 1, got {args.gpus}")
-        if args.gpus_per_node < 1:
-            raise ConfigError(f"--gpus-per-node: must be >= 1, got {args.gpus_per_node}")
+        check_world_size(args.gpus, "--gpus")
+        check_world_size(args.gpus_per_node, "--gpus-per-node")
         if not 0 <= args.reserve < 1:
             raise ConfigError(f"--reserve: must be in [0, 1), got {args.reserve}")
         memory = parse_bytes(args.gpu_memory)
+        if memory > MAX_DEVICE_MEMORY:
+            raise ConfigError(f"--gpu-memory: {args.gpu_memory} is beyond 1 PiB (a sane upper bound for one device)")
+        if args.emit:
+            check_emit_path(Path(args.emit))
         cfg = load_run_config(args.config, args.overrides)
         if cfg.train.engine not in ("fsdp2",):
             raise ConfigError(
                 f"train.engine: the planner plans fsdp2 layouts; got {cfg.train.engine} (--set train.engine=fsdp2)"
             )
+        # a model whose float32 parameters exceed every device together fits no layout: said before it is built
+        usable = int(memory * (1 - args.reserve))
+        check_parameters_fit(cfg.model, usable * args.gpus, f"--gpus {args.gpus:,} x {usable / GIB:.1f} GiB usable")
         estimates = plan(cfg, args.gpus, memory, gpus_per_node=args.gpus_per_node, reserve=args.reserve)
         if not estimates:
             raise ConfigError(
@@ -440,7 +461,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"#   python -m launch.submit --config {args.emit} --nodes {max(1, args.gpus // args.gpus_per_node)} "
                 f"--gpus-per-node {min(args.gpus, args.gpus_per_node)}",
             ]
-            atomic_write_text(Path(args.emit), "\n".join(header) + "\n" + text)
+            try:
+                atomic_write_text(Path(args.emit), "\n".join(header) + "\n" + text)
+            except OSError as exc:  # the checks above passed, the file system still said no (full, read-only)
+                raise ConfigError(f"--emit: cannot write {args.emit} ({exc.strerror or exc})") from None
             print(f"wrote {args.emit}")
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -125,10 +125,23 @@ class ModelConfig:
     def uses_rope(self) -> bool:
         return self.family == "llama"
 
+    def parameter_floor(self) -> int:
+        """A lower bound of the parameter count in closed form (no model built): the embedding (and an untied
+        head) and each layer's attention and MLP matrices; norms, biases and a variant's own parameters left out."""
+        d, hd = self.d_model, self.head_dim
+        attention = d * self.n_heads * hd * 2 + d * self.kv_heads * hd * 2  # q, o; k, v
+        mlp = (3 if self.family == "llama" else 2) * d * self.ffn_dim
+        embedding = self.vocab_size * d * (1 if self.tie_embeddings else 2)
+        positions = 0 if self.uses_rope else self.max_seq_len * d
+        return embedding + positions + self.n_layers * (attention + mlp)
+
     def validate(self) -> None:
         check_choice("model.family", self.family, FAMILIES)
         for name in ("vocab_size", "max_seq_len", "d_model", "n_layers", "n_heads"):
             check_min(f"model.{name}", getattr(self, name), 1)
+        for name, (limit, why) in SIZE_LIMITS.items():
+            if getattr(self, name) > limit:
+                raise ConfigError(f"model.{name}: {getattr(self, name):,} is beyond {limit:,} ({why})")
         if self.d_model % self.n_heads:
             divisors = [h for h in range(1, min(self.d_model, 128) + 1) if self.d_model % h == 0]
             raise ConfigError(
@@ -172,6 +185,15 @@ class ModelConfig:
 
 
 MAX_ROPE_POSITIONS = 2**24
+# the integer sizes' upper bounds, checked before anything is built (a model's layers are Python modules built one by
+# one, its matrices are allocated whole): what the formats allow, or far past any model trained
+SIZE_LIMITS: dict[str, tuple[int, str]] = {
+    "vocab_size": (2**32, "2^32: token ids are stored as uint32 in prepared shards"),
+    "n_layers": (2**12, "2^12: a sane upper bound, 30x the deepest published LLM"),
+    "d_model": (2**17, "2^17: a sane upper bound, 5x the widest published LLM"),
+    "d_ff": (2**19, "2^19: a sane upper bound, 4x model.d_model's"),
+    "n_heads": (2**14, "2^14: a sane upper bound, a head of 8 dimensions at the widest model.d_model"),
+}
 
 
 # ---- presets ------------------------------------------------------------------------

@@ -152,7 +152,9 @@ def export_hf(
     if custom:
         log(
             f"load it with AutoModelForCausalLM.from_pretrained({str(out)!r}, trust_remote_code=True): its "
-            f"{cfg.attention.kind!r} attention runs from the modeling code in the folder"
+            f"{cfg.attention.kind!r} attention runs from the modeling code in the folder; its tokenizer needs no "
+            f"custom code: AutoTokenizer.from_pretrained({str(out)!r}, trust_remote_code=False) (transformers 5 reads "
+            "config.json first and would ask about the model's code)"
         )
     return out
 

@@ -159,12 +159,16 @@ def _import(
     from model.transformer import build_model
     from pretrain.checkpoint import write_manifest
     from run.hf_init import load_state
+    from run.sizes import check_parameters_fit, host_memory
 
     source = hf.load_hf_config(hf_path)
-    imported = hf.model_config_from_hf(source)
+    imported = hf.model_config_from_hf(source, str(hf_path / "config.json"))
     cfg_model = imported.model
     for note in imported.notes:
         log(f"note: {note}")
+    memory = host_memory()  # the import maps and builds the model in float32 on this host
+    if memory is not None:
+        check_parameters_fit(cfg_model, memory, f"this host's {memory / 2**30:.1f} GiB (--hf is imported here)")
     try:
         tok = load_tokenizer(tokenizer if tokenizer is not None else hf_path)
     except ConfigError as exc:

@@ -50,6 +50,7 @@ from pretrain.state_sizes import StateProbe, probe_enabled
 from run.checkpoint import NewerFormat
 from run.config import RunConfig, run_config_from_dict
 from run.hf_init import hf_source, load_state, mapped_state
+from run.sizes import check_machine
 
 
 @dataclass
@@ -132,6 +133,9 @@ class Trainer:
         cfg = self.cfg
         for line in cfg.train.warnings():
             self._say(f"warning: {line}")
+        # sizes against this machine before the corpus or the model is built (pretrain.train checked them already;
+        # an in-process caller such as hf_import's start has not)
+        check_machine(cfg, int(os.environ.get("WORLD_SIZE", "1")))
         self.device = prepare_device(cfg.train)
         if self.measure_memory and self.device.type == "cpu":
             fix_malloc_for_rss()  # the resident set then follows the live tensors (bench.memory's method)

@@ -75,10 +75,14 @@ def main(argv: list[str] | None = None) -> int:
             from run.config import load_run_config  # torch and the model: imported with the signals caught
 
             cfg = load_run_config(args.config, args.overrides)
+            world = int(os.environ.get("WORLD_SIZE", "1"))
             if "WORLD_SIZE" in os.environ:  # under torchrun: the layout and the batch split, before any group
                 from run.parallel import check_world
 
-                check_world(cfg.train, int(os.environ["WORLD_SIZE"]))
+                check_world(cfg.train, world)
+            from run.sizes import check_machine
+
+            check_machine(cfg, world)  # sizes against this machine's memory, before anything is built
             if args.dry_run:
                 print(cfg.to_toml(), end="")
                 return 0

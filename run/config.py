@@ -58,6 +58,9 @@ def resolve_data_dir(data_dir: str | Path | None) -> Path:
     return path
 
 
+MAX_BATCH_TOKENS = 2**32  # tokens in one optimizer step (train.batch_size x data.seq_len)
+
+
 @dataclass
 class RunSection:
     dir: str = "runs/default"  # the run directory: config, checkpoints, metrics, logs
@@ -272,6 +275,13 @@ class RunConfig:
         self.log.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+        tokens = self.train.batch_size * self.data.seq_len
+        if tokens > MAX_BATCH_TOKENS:
+            raise ConfigError(
+                f"train.batch_size: {self.train.batch_size:,} sequences of {self.data.seq_len:,} tokens is "
+                f"{tokens:,} tokens per step, beyond {MAX_BATCH_TOKENS:,} (2^32, a sane upper bound: 256x the largest "
+                "published batch)"
+            )
         check_layout(self.train, self.model, self.data.seq_len)
         if self.data.document_masking:
             from model.attention import registry

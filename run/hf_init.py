@@ -57,7 +57,8 @@ def imported_config(path: Path, key: str) -> tuple[ModelConfig, str]:
     if not path.is_dir():
         raise ConfigError(f"{key}: no such directory {str(path)!r} (hf:PATH names a local Hugging Face model folder)")
     try:
-        imported = hf.model_config_from_hf(hf.load_hf_config(path))
+        imported = hf.model_config_from_hf(hf.load_hf_config(path), str(path / "config.json"))
+        hf.check_hf_indexes(path)
     except ConfigError as exc:
         raise ConfigError(f"{key}: {str(exc).removeprefix('--hf: ')}") from None
     return imported.model, imported.architecture

@@ -185,8 +185,29 @@ class ParallelLayout:
             raise ConfigError(f"train.batch_size: {batch_size} is not divisible by the {self.dp} data-parallel ranks")
 
 
+MAX_WORLD = 2**20  # devices in one job: far past any job run (the largest have ~2^17)
+
+
+def check_world_size(world: int, key: str) -> None:
+    """A device / process count: >= 1 and at most ``MAX_WORLD``."""
+    if world < 1:
+        raise ConfigError(f"{key}: must be >= 1, got {world}")
+    if world > MAX_WORLD:
+        raise ConfigError(f"{key}: {world:,} devices is beyond {MAX_WORLD:,} (2^20, a sane upper bound for one job)")
+
+
 def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
+    """The divisors of ``n`` ascending, by trial division up to sqrt(n): a planner's search over a million devices
+    stays instant."""
+    low, high = [], []
+    k = 1
+    while k * k <= n:
+        if n % k == 0:
+            low.append(k)
+            if k != n // k:
+                high.append(n // k)
+        k += 1
+    return low + high[::-1]
 
 
 def check_layout(train: TrainLayout, model: ModelConfig, seq_len: int) -> None:
@@ -220,6 +241,7 @@ def check_world(train: TrainBatchLayout, world_size: int) -> ParallelLayout:
     """The layout of ``world_size`` processes plus the batch split the loader will demand, checked as soon as the
     world size is known (``WORLD_SIZE`` under torchrun, ``--dry-run`` included, or the launcher's nodes x processes)
     rather than after every process has joined the group."""
+    check_world_size(world_size, "world size")
     layout = ParallelLayout.of(train, world_size)
     layout.check_batch(train.batch_size, train.micro_batch_size)
     return layout

@@ -420,3 +420,26 @@ def test_profiles_reach_both_reports(tmp_path):
     )
     assert "| train llama-1.3b full | full | 1 | `ampere_bf16_gemm_128x128` | 2 | 0.600 | 85.7% |" in md
     assert "- train llama-1.3b full, full: `cudaStreamSynchronize` 1" in md
+
+
+@pytest.mark.parametrize(
+    "case, args, words",
+    [
+        ("budget-negative", ["--budget", "-5"], ["--budget", "-5.0"]),
+        ("budget-nan", ["--budget", "nan"], ["--budget", "nan"]),
+        ("only-nomatch", ["--only", "nomatch"], ["--only", "'nomatch' matches no item"]),
+        ("out-a-file", ["--out", "{file}"], ["--out", "is a file"]),
+        ("out-unwritable", ["--out", "{file}/sub"], ["--out", "cannot write into"]),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2_before_any_work(case, args, words, tmp_path, capsys):
+    """Issue 41: validated before any item runs (and before the output folder is made)."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    argv = ["--device", "cpu", "--quick", "--out", str(tmp_path / "out")] + [a.format(file=file) for a in args]
+    with pytest.raises(SystemExit) as exit_info:
+        gpu.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and err.count("\n") == 1, err
+    assert err.startswith("error: python -m bench.gpu: ") and all(w in err for w in words), err
+    assert not (tmp_path / "out").exists()

@@ -32,6 +32,7 @@ from model.hf.tensors import (  # noqa: F401
     DTYPE_NAMES,
     DTYPES,
     cast,
+    check_hf_indexes,
     from_hf_state_dict,
     load_hf_weights,
     save_hf_weights,

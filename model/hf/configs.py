@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,20 +48,82 @@ class Imported:
 
 
 def load_hf_config(path: str | Path) -> dict[str, Any]:
+    """``path/config.json`` as a dict, or one ConfigError line naming the file (missing, not UTF-8 JSON, not an
+    object)."""
     path = Path(path)
     file = path / "config.json"
     if not file.is_file():
         raise ConfigError(f"--hf: {path} has no config.json (not a Hugging Face model directory)")
     try:
-        return json.loads(file.read_text())
+        data = json.loads(file.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError(f"--hf: {file} is not text (UTF-8 JSON expected)") from None
     except json.JSONDecodeError as exc:
         raise ConfigError(f"--hf: {file} is not valid JSON ({exc})") from None
+    except OSError as exc:
+        raise ConfigError(f"--hf: cannot read {file} ({exc.strerror or exc})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--hf: {file} must hold a JSON object, got {type(data).__name__}")
+    return data
 
 
-def architecture_of(hf: dict[str, Any]) -> str:
+class _Fields:
+    """Typed reads of a config.json's fields: a missing required key, or a value of the wrong type ("two" for a
+    number, a float for an integer), is one ConfigError line naming the file and the field."""
+
+    def __init__(self, hf: dict[str, Any], source: str, prefix: str = ""):
+        self.hf, self.source, self.prefix = hf, source, prefix
+
+    def _bad(self, key: str, what: str) -> ConfigError:
+        return ConfigError(f"hf: {self.source}: {self.prefix}{key}: {what}")
+
+    def raw(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        value = self.hf.get(key)
+        if value is None:
+            if required:
+                raise self._bad(key, "missing (a required field)")
+            return default
+        return value
+
+    def integer(self, key: str, default: int | None = None, *, required: bool = False) -> int:
+        value = self.raw(key, default, required=required)
+        number = value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+        if number is None or not math.isfinite(number) or number != int(number):
+            raise self._bad(key, f"must be an integer, got {value!r}")
+        return int(number)
+
+    def number(self, key: str, default: float | None = None, *, required: bool = False) -> float:
+        value = self.raw(key, default, required=required)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise self._bad(key, f"must be a finite number, got {value!r}")
+        return float(value)
+
+    def flag(self, key: str, default: bool) -> bool:
+        value = self.raw(key, default)
+        if not isinstance(value, bool):
+            raise self._bad(key, f"must be true or false, got {value!r}")
+        return value
+
+    def text(self, key: str, default: str) -> str:
+        value = self.raw(key, default)
+        if not isinstance(value, str):
+            raise self._bad(key, f"must be a string, got {value!r}")
+        return value
+
+    def table(self, key: str) -> dict[str, Any]:
+        value = self.raw(key, {})
+        if not isinstance(value, dict):
+            raise self._bad(key, f"must be an object, got {value!r}")
+        return value
+
+
+def architecture_of(hf: dict[str, Any], source: str = "config.json") -> str:
     """The supported architecture a config.json describes (a variant export's ``focused_`` prefix removed)."""
-    archs = hf.get("architectures") or []
-    model_type = str(hf.get("model_type", "")).removeprefix(VARIANT_TYPE_PREFIX)
+    fields = _Fields(hf, source)
+    archs = fields.raw("architectures", [])
+    if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+        raise fields._bad("architectures", f"must be a list of class names, got {archs!r}")
+    model_type = fields.text("model_type", "").removeprefix(VARIANT_TYPE_PREFIX)
     by_type = {t: a for a, t in ARCHITECTURES.items()}
     name = archs[0] if archs else by_type.get(model_type, model_type or "(no architectures or model_type)")
     if name.startswith(CUSTOM_PREFIX) and name.removeprefix(CUSTOM_PREFIX) in ARCHITECTURES:
@@ -70,81 +133,82 @@ def architecture_of(hf: dict[str, Any]) -> str:
     return name
 
 
-def _get(hf: dict[str, Any], key: str, default: Any = None) -> Any:
-    value = hf.get(key, default)
-    return default if value is None else value
-
-
-def _required(params: dict[str, Any], key: str, kind: str) -> Any:
-    """``params[key]``, which rope type ``kind`` cannot do without (a one-line error, not float(None)'s TypeError)."""
-    value = params.get(key)
-    if value is None:
-        raise ConfigError(f"hf: rope_scaling.{key}: required by rope type {kind!r}")
-    return value
-
-
 def _refuse(arch: str, what: str) -> ConfigError:
     return ConfigError(f"hf: {arch} with {what} is not supported")
 
 
-def rope_from_hf(hf: dict[str, Any], arch: str, max_pos: int) -> tuple[RopeConfig, int, list[str]]:
+def rope_from_hf(
+    hf: dict[str, Any], arch: str, max_pos: int, source: str = "config.json"
+) -> tuple[RopeConfig, int, list[str]]:
     """(RopeConfig, max_seq_len, notes) from ``rope_parameters`` (transformers 5) or ``rope_scaling`` +
     ``rope_theta`` (transformers 4)."""
-    params = dict(hf.get("rope_scaling") or hf.get("rope_parameters") or {})
+    top = _Fields(hf, source)
+    key = "rope_scaling" if hf.get("rope_scaling") else "rope_parameters"
+    params = dict(top.table(key))
     if any(isinstance(v, dict) for v in params.values()):
         raise _refuse(arch, "per-layer-type RoPE parameters")
-    theta = float(params.get("rope_theta") or _get(hf, "rope_theta", 10000.0))
-    kind = params.get("rope_type") or params.get("type") or "default"
+    rope = _Fields(params, source, f"{key}.")
+    theta = rope.number("rope_theta", 0.0) or top.number("rope_theta", 10000.0)
+    kind = rope.text("rope_type", "") or rope.text("type", "") or "default"
     partial = params.get("partial_rotary_factor", hf.get("partial_rotary_factor"))
     if partial not in (None, 1, 1.0):
         raise _refuse(arch, f"partial_rotary_factor={partial} (RoPE on part of each head)")
-    factor = params.get("factor")
-    original = params.get("original_max_position_embeddings")
     if kind == "default":
         return RopeConfig(theta=theta), max_pos, []
     if kind == "linear":
-        return RopeConfig(theta=theta, scaling="linear", factor=float(_required(params, "factor", kind))), max_pos, []
+        return RopeConfig(theta=theta, scaling="linear", factor=_required(rope, "factor", kind)), max_pos, []
     if kind == "dynamic":
         # HF's dynamic NTK grows the base past max_position_embeddings, its original length
-        factor = float(_required(params, "factor", kind))
-        rope = RopeConfig(theta=theta, scaling="dynamic_ntk", factor=factor, original_max_seq_len=max_pos)
+        factor = _required(rope, "factor", kind)
+        config = RopeConfig(theta=theta, scaling="dynamic_ntk", factor=factor, original_max_seq_len=max_pos)
         length = int(max_pos * factor)
-        return rope, length, [f"rope: dynamic NTK from {max_pos} tokens; max_seq_len set to {length} (x factor)"]
+        return config, length, [f"rope: dynamic NTK from {max_pos} tokens; max_seq_len set to {length} (x factor)"]
     if kind == "yarn":
         if params.get("mscale") or params.get("mscale_all_dim"):
             raise _refuse(arch, "YaRN mscale / mscale_all_dim (DeepSeek's attention factor)")
         if params.get("truncate") is False:
             raise _refuse(arch, "YaRN truncate=false")
-        original = int(original or max_pos)
-        rope = RopeConfig(
+        original = rope.integer("original_max_position_embeddings", 0) or max_pos
+        config = RopeConfig(
             theta=theta,
             scaling="yarn",
-            factor=float(factor or max_pos / original),
+            factor=rope.number("factor", 0.0) or max_pos / original,
             original_max_seq_len=original,
-            beta_fast=float(params.get("beta_fast") or 32.0),
-            beta_slow=float(params.get("beta_slow") or 1.0),
-            attention_factor=float(params.get("attention_factor") or 0.0),
+            beta_fast=rope.number("beta_fast", 0.0) or 32.0,
+            beta_slow=rope.number("beta_slow", 0.0) or 1.0,
+            attention_factor=rope.number("attention_factor", 0.0),
         )
-        return rope, max_pos, []
+        return config, max_pos, []
     if kind == "llama3":
-        rope = RopeConfig(
+        config = RopeConfig(
             theta=theta,
             scaling="llama3",
-            factor=float(_required(params, "factor", kind)),
-            original_max_seq_len=int(_required(params, "original_max_position_embeddings", kind)),
-            low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(params.get("high_freq_factor", 4.0)),
+            factor=_required(rope, "factor", kind),
+            original_max_seq_len=int(_required(rope, "original_max_position_embeddings", kind, integer=True)),
+            low_freq_factor=rope.number("low_freq_factor", 1.0),
+            high_freq_factor=rope.number("high_freq_factor", 4.0),
         )
-        return rope, max_pos, []
+        return config, max_pos, []
     raise _refuse(arch, f"RoPE type {kind!r} (supported: default, linear, dynamic, yarn, llama3)")
 
 
-def model_config_from_hf(hf: dict[str, Any]) -> Imported:
-    """A ``config.json`` (as a dict) -> the matching ModelConfig, or one ConfigError line naming what is unsupported."""
-    arch = architecture_of(hf)
+def _required(rope: _Fields, key: str, kind: str, *, integer: bool = False) -> float:
+    """``rope[key]``, which rope type ``kind`` cannot do without (a one-line error, not float(None)'s TypeError)."""
+    if rope.hf.get(key) is None:
+        raise ConfigError(f"hf: {rope.prefix}{key}: required by rope type {kind!r}")
+    return rope.integer(key) if integer else rope.number(key)
+
+
+def model_config_from_hf(hf: dict[str, Any], source: str = "config.json") -> Imported:
+    """A ``config.json`` (as a dict) -> the matching ModelConfig, or one ConfigError line naming what is
+    unsupported or malformed (``source``: the file, for the message)."""
+    if not isinstance(hf, dict):
+        raise ConfigError(f"hf: {source} must hold a JSON object, got {type(hf).__name__}")
+    arch = architecture_of(hf, source)
+    f = _Fields(hf, source)
     notes: list[str] = []
     if arch == GPT2:
-        act = hf.get("activation_function", "gelu_new")
+        act = f.text("activation_function", "gelu_new")
         if act not in GPT2_ACTIVATIONS:
             raise _refuse(arch, f"activation_function={act!r} (supported: {', '.join(GPT2_ACTIVATIONS)})")
         for key, ok in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True)):
@@ -152,30 +216,32 @@ def model_config_from_hf(hf: dict[str, Any]) -> Imported:
                 raise _refuse(arch, f"{key}={hf.get(key)}")
         if hf.get("add_cross_attention"):
             raise _refuse(arch, "add_cross_attention=true")
-        d = int(hf["n_embd"])
+        d = f.integer("n_embd", required=True)
         cfg = ModelConfig(
             family="gpt2",
-            vocab_size=int(hf["vocab_size"]),
-            max_seq_len=int(hf.get("n_positions", 1024)),
+            vocab_size=f.integer("vocab_size", required=True),
+            max_seq_len=f.integer("n_positions", 1024),
             d_model=d,
-            n_layers=int(hf["n_layer"]),
-            n_heads=int(hf["n_head"]),
-            d_ff=int(_get(hf, "n_inner", 4 * d)),
-            norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
-            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            n_layers=f.integer("n_layer", required=True),
+            n_heads=f.integer("n_head", required=True),
+            d_ff=f.integer("n_inner", 4 * d),
+            norm_eps=f.number("layer_norm_epsilon", 1e-5),
+            tie_embeddings=f.flag("tie_word_embeddings", True),
             bias=True,
-            init_std=float(hf.get("initializer_range", 0.02)),
+            init_std=f.number("initializer_range", 0.02),
         )
     else:
-        act = hf.get("hidden_act", "silu")
+        act = f.text("hidden_act", "silu")
         if act != "silu":
             raise _refuse(arch, f"hidden_act={act!r} (SwiGLU needs silu)")
-        d, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and int(head_dim) * heads != d:
+        d, heads = f.integer("hidden_size", required=True), f.integer("num_attention_heads", required=True)
+        if heads < 1:
+            raise f._bad("num_attention_heads", f"must be >= 1, got {heads}")
+        head_dim = f.integer("head_dim", 0) or None
+        if head_dim is not None and head_dim * heads != d:
             raise _refuse(arch, f"head_dim={head_dim} != hidden_size / num_attention_heads = {d // heads}")
-        attention_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
+        attention_bias = f.flag("attention_bias", False)
+        mlp_bias = f.flag("mlp_bias", False)
         bias = qkv_bias = False
         if arch == QWEN2:
             qkv_bias = True  # Qwen2 always has q/k/v biases and none elsewhere
@@ -187,63 +253,69 @@ def model_config_from_hf(hf: dict[str, Any]) -> Imported:
                     "q/k/v-only biases are Qwen2's)",
                 )
             bias = True
-        max_pos = int(hf.get("max_position_embeddings", 2048))
-        rope, max_seq_len, rope_notes = rope_from_hf(hf, arch, max_pos)
+        max_pos = f.integer("max_position_embeddings", 2048)
+        rope, max_seq_len, rope_notes = rope_from_hf(hf, arch, max_pos, source)
         notes += rope_notes
-        window = _sliding_window(hf, arch)
+        window = _sliding_window(f, arch)
         if window is not None and window < max_seq_len:
             notes.append(
                 f"sliding window {window}: max_seq_len capped at {window} (from {max_seq_len}); up to that length "
                 "sliding-window and full causal attention are the same"
             )
             max_seq_len = window
-        kv = int(_get(hf, "num_key_value_heads", heads))
+        kv = f.integer("num_key_value_heads", heads)
         cfg = ModelConfig(
             family="llama",
-            vocab_size=int(hf["vocab_size"]),
+            vocab_size=f.integer("vocab_size", required=True),
             max_seq_len=max_seq_len,
             d_model=d,
-            n_layers=int(hf["num_hidden_layers"]),
+            n_layers=f.integer("num_hidden_layers", required=True),
             n_heads=heads,
             n_kv_heads=0 if kv == heads else kv,
-            d_ff=int(hf["intermediate_size"]),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            d_ff=f.integer("intermediate_size", required=True),
+            norm_eps=f.number("rms_norm_eps", 1e-6),
             qk_norm=arch == QWEN3,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            tie_embeddings=f.flag("tie_word_embeddings", False),
             bias=bias,
             qkv_bias=qkv_bias,
-            init_std=float(hf.get("initializer_range", 0.02)),
+            init_std=f.number("initializer_range", 0.02),
             rope=rope,
         )
     variant = hf.get(VARIANT_KEY)
     if variant is not None:
-        _set_variant(cfg, variant)
+        _set_variant(cfg, f.table(VARIANT_KEY))
         notes.append(f"attention variant {cfg.attention.kind!r} restored from config.json's {VARIANT_KEY}")
-    cfg.validate()
+    try:
+        cfg.validate()
+    except ConfigError as exc:  # a size the file gives, as this project names it: say which file
+        raise ConfigError(f"hf: {source}: {exc}") from None
     return Imported(cfg, arch, notes)
 
 
-def _sliding_window(hf: dict[str, Any], arch: str) -> int | None:
+def _sliding_window(f: _Fields, arch: str) -> int | None:
     if arch == MISTRAL:
-        window = hf.get("sliding_window")
+        window = f.integer("sliding_window", 0)
     elif arch in (QWEN2, QWEN3):
-        layers = hf.get("layer_types") or []
-        used = hf.get("use_sliding_window") or "sliding_attention" in layers
-        window = hf.get("sliding_window") if used else None
+        layers = f.raw("layer_types", [])
+        used = f.raw("use_sliding_window", False) or (isinstance(layers, list) and "sliding_attention" in layers)
+        window = f.integer("sliding_window", 0) if used else 0
     else:
-        window = None
-    return None if window is None else int(window)
+        window = 0
+    return window or None
 
 
 def _set_variant(cfg: ModelConfig, variant: dict[str, Any]) -> None:
     kind = variant.get("kind")
     options = cfg.attention.options
-    if kind not in options:
+    if not isinstance(kind, str) or kind not in options:
         raise ConfigError(f"hf: {VARIANT_KEY}.kind {kind!r} is not a registered attention variant")
     cfg.attention.kind = kind
     cfg.attention.impl = variant.get("impl", cfg.attention.impl)
     known = {f.name for f in dataclasses.fields(options[kind])}
-    for key, value in (variant.get("options") or {}).items():
+    extra = variant.get("options") or {}
+    if not isinstance(extra, dict):
+        raise ConfigError(f"hf: {VARIANT_KEY}.options: must be an object, got {extra!r}")
+    for key, value in extra.items():
         if key not in known:
             raise ConfigError(f"hf: {VARIANT_KEY}.options.{key}: unknown option of attention variant {kind!r}")
         setattr(options[kind], key, value)

@@ -207,6 +207,31 @@ def from_hf_state_dict(state: dict[str, Tensor], cfg: ModelConfig, arch: str) ->
 # ---- weight files --------------------------------------------------------------------------------
 
 
+def _index_files(index: Path) -> list[str]:
+    """The weight files a ``*.index.json`` names (its ``weight_map`` values), or one ConfigError line naming the
+    file and the field: not JSON, no ``weight_map`` object, or a value that is not a file name in the folder."""
+    try:
+        data = json.loads(index.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"hf: {index} is not valid JSON ({type(exc).__name__}: {str(exc)[:120]})") from None
+    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ConfigError(f"hf: {index}: weight_map: missing or not an object of tensor name -> file")
+    files = set(weight_map.values())
+    for name in files:
+        if not isinstance(name, str) or not name or Path(name).name != name or name in (".", ".."):
+            raise ConfigError(f"hf: {index}: weight_map: {name!r} is not a file name in the model folder")
+    return sorted(files)
+
+
+def check_hf_indexes(path: str | Path) -> None:
+    """Every weight index the folder holds parses (``_index_files``): what ``load_hf_weights`` will read, checked
+    when the config is (``--dry-run`` included), without reading a tensor."""
+    for name in WEIGHT_FILES:
+        if name.endswith(".index.json") and (Path(path) / name).is_file():
+            _index_files(Path(path) / name)
+
+
 def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
     """Every tensor of a HF model directory: model.safetensors (or its shards), else pytorch_model.bin
     (or its shards) read with ``torch.load(weights_only=True)``."""
@@ -224,7 +249,7 @@ def load_hf_weights(path: str | Path) -> dict[str, Tensor]:
         if single.is_file():
             files = [single]
         elif index.is_file():
-            files = [path / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            files = [path / f for f in _index_files(index)]
         else:
             continue
         state: dict[str, Tensor] = {}

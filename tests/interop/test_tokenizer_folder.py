@@ -82,3 +82,29 @@ def test_an_empty_folder_is_one_line(tmp_path):
     assert "\n" not in message and "holds no tokenizer.json, tokenizer.model or .tiktoken file" in message, message
     with pytest.raises(ConfigError, match="no such file"):
         DataConfig(tokenizer=str(tmp_path / "missing")).validate()
+
+
+def test_an_export_carries_no_auto_map_and_its_tokenizer_loads_without_a_prompt(folder, tmp_path, monkeypatch):
+    """Issue 41: the README's ``AutoTokenizer.from_pretrained(export)`` asks nothing (transformers would ask
+    "Do you wish to run the custom code? [y/N]" through ``input``), and no tokenizer file of the checkpoint or the
+    export names custom code. (A folder that names it is refused: tests/pretrain/test_sizes_and_inputs.py.)"""
+    import builtins
+
+    from pretrain.export import export_hf
+    from tests.interop.conftest import SMALL, our_checkpoint
+
+    checkpoint = our_checkpoint(tmp_path / "run", SMALL, folder)
+    out = export_hf(checkpoint, tmp_path / "hf", log=lambda line: None)
+    for directory in (checkpoint, out):
+        for file in directory.glob("*.json"):
+            if file.name != "config.json" or directory == out:
+                assert "auto_map" not in json.loads(file.read_text()), file
+    asked: list[str] = []
+
+    def no_prompt(prompt: str = "") -> str:
+        asked.append(prompt)
+        raise EOFError
+
+    monkeypatch.setattr(builtins, "input", no_prompt)
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert asked == [] and hf.encode(TEXT, add_special_tokens=False) == load_tokenizer(folder).encode(TEXT)

@@ -70,6 +70,18 @@ MUST_HOLD = (
     "a SIGSTOPped fsdp2 rank ends the job within train.collective_timeout + 60 s",
 )
 
+# issue 41's table: the rows of sizes, foreign configs, custom-code tokenizers and CLI arguments, in the issue's
+# order (its checkpoint rows are listed by their own helper)
+TABLE_41 = (
+    'num_hidden_layers: 1e9 (or vocab 1e12) in an HF config.json given to train.init_from = "hf:..."',
+    "launch.plan --gpus 1000000000, or --set model.n_layers=1000000000",
+    'HF config.json that is [], binary, lacks a key or holds "two" for a number; an index without weight_map',
+    "data.tokenizer = a folder with tokenizer.json plus an auto_map naming custom code",
+    "AutoTokenizer.from_pretrained(export) (the README's snippet)",
+    "launch.plan --emit into a missing folder or onto a folder; bench.gpu --out at a file or an unwritable path",
+    "bench.gpu --budget -5, --budget nan, --only nomatch",
+)
+
 HERE = "tests/pretrain/test_attacks.py"
 INTEGRITY = "tests/pretrain/test_checkpoint_integrity.py"
 RESUME_CONFIG = "tests/pretrain/test_resume_config.py"
@@ -271,6 +283,99 @@ ATTACKS = [
         "tests/e2e/test_stalled_rank.py::test_a_stopped_rank_ends_the_job_within_the_timeout_and_names_it",
     ),
 ]
+# -- issue 41: sizes, foreign configs, tokenizers, CLI arguments (in process, one line and exit 2 each)
+SIZES = "tests/pretrain/test_sizes_and_inputs.py"
+BENCH_GPU = "tests/test_bench_gpu.py::test_bad_arguments_are_one_line_and_exit_2_before_any_work"
+ATTACKS += [
+    *(
+        Attack(
+            f"hf-{case}",
+            TABLE_41[0],
+            "any",
+            f"{SIZES}::test_absurd_sizes_in_an_hf_config_are_one_line_under_dry_run[{case}]",
+        )
+        for case in ("layers-1e9", "vocab-1e12", "width-2e9")
+    ),
+    *(
+        Attack(
+            f"set-{case}",
+            TABLE_41[1],
+            "any",
+            f"{SIZES}::test_absurd_sizes_set_on_the_command_line_are_one_line_under_dry_run[{case}]",
+        )
+        for case in (
+            "n-layers-1e9",
+            "heads-huge",
+            "parameters-beyond-memory",
+            "micro-batch-beyond-memory",
+            "batch-tokens",
+        )
+    ),
+    *(
+        Attack(
+            f"plan-{case}", TABLE_41[1], "any", f"{SIZES}::test_the_planner_refuses_absurd_sizes_in_one_line[{case}]"
+        )
+        for case in ("gpus-1e9", "gpus-0", "n-layers-1e9", "beyond-every-device")
+    ),
+    Attack(
+        "plan-search-bounded", TABLE_41[1], "any", f"{SIZES}::test_the_planners_search_is_bounded_at_a_million_devices"
+    ),
+    *(
+        Attack(
+            f"malformed-{case}",
+            TABLE_41[2],
+            "any",
+            f"{SIZES}::test_a_malformed_hf_config_or_index_is_one_line_naming_the_file_and_field[{case}]",
+        )
+        for case in (
+            "list",
+            "binary",
+            "missing-key",
+            "two",
+            "float-layers",
+            "architectures-string",
+            "rope-string",
+            "index-without-weight_map",
+            "index-escaping-the-folder",
+        )
+    ),
+    *(
+        Attack(
+            f"custom-code-{case}",
+            TABLE_41[3],
+            "any",
+            f"{SIZES}::test_a_tokenizer_folder_naming_custom_code_is_refused_whether_or_not_tokenizer_json_exists[{case}]",
+        )
+        for case in (
+            "tokenizer.json+tokenizer_config",
+            "tokenizer.json+config.json",
+            "tokenizer.model+tokenizer_config",
+        )
+    ),
+    Attack(
+        "export-autotokenizer-no-prompt",
+        TABLE_41[4],
+        "any",
+        "tests/interop/test_tokenizer_folder.py::test_an_export_carries_no_auto_map_and_its_tokenizer_loads_without_a_prompt",
+    ),
+    *(
+        Attack(
+            f"plan-emit-{case}",
+            TABLE_41[5],
+            "any",
+            f"{SIZES}::test_plan_emit_into_a_missing_folder_or_onto_a_folder_is_one_line[{case}]",
+        )
+        for case in ("missing-folder", "a-folder")
+    ),
+    *(
+        Attack(f"bench-gpu-{case}", TABLE_41[5], "any", f"{BENCH_GPU}[{case}]")
+        for case in ("out-a-file", "out-unwritable")
+    ),
+    *(
+        Attack(f"bench-gpu-{case}", TABLE_41[6], "any", f"{BENCH_GPU}[{case}]")
+        for case in ("budget-negative", "budget-nan", "only-nomatch")
+    ),
+]
 # the keep=1 must-hold line is the table's first row, staged by the same tests
 ATTACKS += [Attack(f"keep-1-twice-{a.engine}", MUST_HOLD[1], a.engine, a.test) for a in ATTACKS if a.row == TABLE[0]]
 # the cases that apply to more than one engine, and the engines each must be staged on (``<case>-<engine>``):
@@ -292,7 +397,7 @@ ON_ENGINES = {
 
 def test_every_row_of_the_issue_has_a_case_on_every_engine_it_applies_to():
     assert len({a.id for a in ATTACKS}) == len(ATTACKS), "case ids are unique"
-    assert {a.row for a in ATTACKS} == set(TABLE + HOLDING + MUST_HOLD)
+    assert {a.row for a in ATTACKS} == set(TABLE + HOLDING + MUST_HOLD + TABLE_41)
     by_row: dict[str, set[str]] = {}
     for a in ATTACKS:
         by_row.setdefault(a.row, set()).add(a.engine)
