@@ -147,7 +147,7 @@ def activation_bytes(
     1 / tp of the rank's tokens, and the projections save the all-gathered inputs of attention, the MLP and the
     head instead of the norms' outputs. ``fused_head`` (``train.fused_cross_entropy``, no TP): the fused head keeps
     the hidden states' gradient (float32 at most) and a float32 [V, d] weight gradient instead of the float32
-    log-softmax over the vocabulary (``model.loss``)."""
+    log-softmax over the vocabulary, the targets and the final norm's output (``model.loss``)."""
     cfg, a = model.cfg, dtype_bytes
     tokens = seq_len // cp  # this rank's tokens of each sequence
     sp = sequence_parallel and tp > 1
@@ -180,11 +180,11 @@ def activation_bytes(
             mm = (hq + 2 * hkv) * head_dim + 2 * d + gated * ffn + d
             kept = micro * (tokens * (mm + hq * head_dim) * a + tokens * hq * 4)
         layers.append((full_layer, kept))
-    if fused_head:
-        head = micro * tokens * (4 * d + 16) + 4 * cfg.vocab_size * d
+    if fused_head:  # token ids 8; nothing keeps the final norm's output (the head's gradients are computed already)
+        head = micro * tokens * (4 * d + 8) + 4 * cfg.vocab_size * d
     else:
         head = micro * tokens * (4 * cfg.vocab_size + 16)
-    final = micro * stream * _norm_bytes(model.norm_f, d, a, sp) + head
+    final = micro * stream * _norm_bytes(model.norm_f, d, a, sp or fused_head) + head
     if sp:
         final += micro * tokens * d * a  # the head's gathered input
     if model.rope is not None:
