@@ -10,9 +10,11 @@ every item, so a run cut off anywhere still reports what it measured.
 
 Order: the work is a list of items run in turn until ``--budget`` seconds are spent, the most important first:
 
-1. ``train llama-1.3b full``: MFU at T = 4096, the headline figure.
-2. ``train llama-1.3b <variant>`` for every trainable variant: step time / full attention's (an arm whose timed
-   steps pass 30 s stops after 3 of them: lazy's step takes 12 s on an H200).
+1. ``train llama-1.3b full``: MFU at T = 4096, the headline figure, with the activation checkpointing and
+   micro-batch the layout planner picks for the device (``bench.train_step.arm_plan``), stated in the headline.
+2. ``train llama-1.3b <variant>`` for every trainable variant, each planned alike: time per token / full
+   attention's (an arm whose timed steps pass 30 s stops after 3 of them: lazy's step took 12 s on an H200 at
+   micro-batch 2).
 3. ``tests``: the CUDA test file ``tests/attention/test_gpu_suite.py`` (fast paths against references on the
    device, causality, KV cache), fast tier; counted per test as it finishes, so a cut-off run still counts what ran.
    It comes before the attention items so that it finishes inside the default budget.
@@ -155,9 +157,11 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 # ---- items -----------------------------------------------------------------------------------------------------------
 def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Run:
     def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
-        cfg = train_step.arm_config(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
+        # the planner's checkpointing and micro-batch for this device (bench.train_step.arm_plan)
+        cfg, chosen = train_step.arm_plan(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
         row = train_step.measure_arm(
             cfg,
+            plan=chosen,
             steps=plan.train_steps,
             warmup=plan.train_warmup,
             deadline=deadline,

@@ -109,7 +109,7 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
         known = full["mfu"] is not None
         rows.append(
             {
-                "what": f"{preset} full attention MFU (T={full['seq_len']})",
+                "what": f"{preset} full attention MFU (T={full['seq_len']}, {train_step.plan_text(full)})",
                 "value": (f"{full['mfu']:.1%}" if known else "- (device peak unknown)")
                 + f" ({full['tokens_per_s']:,.0f} tok/s)",
                 "goal": f">= {goal:.0%} on an H100" if goal else "",
@@ -118,10 +118,10 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
         )
         for r in train:
             if r["preset"] == preset and r["kind"] != "full":
-                ratio = r["step_s"] / full["step_s"]
+                ratio = train_step.time_ratio(r, full)
                 rows.append(
                     {
-                        "what": f"{preset} {r['kind']} step time / full's",
+                        "what": f"{preset} {r['kind']} step time / full's (per token; {train_step.plan_text(r)})",
                         "value": f"{ratio:.2f}x ({r['step_s'] * 1e3:.1f} ms)",
                         "goal": f"<= {STEP_RATIO_GOAL}x",
                         "met": ratio <= STEP_RATIO_GOAL,
@@ -217,7 +217,7 @@ def markdown(report: dict[str, Any]) -> str:
         rows = [dict(r) for r in train]
         for r in rows:
             full = next((f for f in rows if f["preset"] == r["preset"] and f["kind"] == "full"), None)
-            r["step_ratio"] = r["step_s"] / full["step_s"] if full else None
+            r["step_ratio"] = train_step.time_ratio(r, full) if full else None
         lines += [
             "",
             "## Training step (`bench.train_step`)",

@@ -2,9 +2,14 @@
 [--variants all] [--seq-len 4096] [--device cuda] [--json F]``.
 
 What is measured is what trains: each arm is the preset's launch config (``launch/configs/<preset>.toml``, or the
-derived ``<preset>_<variant>.toml`` with the variant's launch settings) with the single-device engine, the sequence
-length set to ``--seq-len`` and the micro-batch holding as many tokens as the preset's micro-batch does at its own
-length; precision, compile and activation checkpointing stay as the preset configures them. The model comes from
+derived ``<preset>_<variant>.toml`` with the variant's launch settings) with the single-device engine and the
+sequence length set to ``--seq-len``; precision, compile, the fused LM head (``train.fused_cross_entropy``) and the
+SDPA backend (``train.sdpa_backend``) stay as the preset configures them. Activation checkpointing and the
+micro-batch are what a user picks on this one device, the layout planner's choice (``arm_plan``,
+``pretrain.layout_plan.single_device_plan``): no recomputation when the model fits without it, and the largest
+micro-batch that fits the device less a 10% reserve, up to the preset's tokens per step (a power of two); each arm
+is planned for its own variant, and its row records the plan. ``--micro-batch N`` fixes the micro-batch instead
+(with the preset's checkpointing). The model comes from
 ``model.transformer.build_model`` and the engine from ``pretrain.engines.build_engine``, and one step is the trainer's
 (``pretrain.loop.Trainer.train_step``): train progress, one micro-step (forward, loss, backward), gradient clipping,
 the finiteness check (a host sync, as in the loop) and the optimizer update. Random tokens; no data loader.
@@ -16,8 +21,11 @@ the process's peak resident set) and MFU = tokens/s x FLOPs per token / the devi
 ``model.counts.flops_per_token`` (torchtitan's 6 N + 12 L H D T) of the *full-attention* model for every arm, so
 the MFU column compares speed: a variant's MFU / full's is full's step time / the variant's.
 
-``--quick``: the same code on a tiny model (2 layers of 64, micro-batch 2) at T = 128 for 2 steps after 1 warm-up,
-without compile: a smoke run for CI.
+The arms' micro-batches can differ, so a variant's ratio to full attention is of time per token (full's tokens/s /
+the variant's), which is the ratio of step times when the micro-batches agree.
+
+``--quick``: the same code on a tiny model (2 layers of 64, planned for a nominal 1 GiB device, micro-batch at most 2)
+at T = 128 for 2 steps after 1 warm-up, without compile: a smoke run for CI.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import argparse
 import dataclasses
 import gc
 import json
+import os
 import statistics
 import sys
 import time
@@ -44,6 +53,7 @@ from model.counts import flops_per_token
 from model.transformer import Transformer, build_model
 from pretrain.engines import Engine, build_engine
 from pretrain.freezing import apply_trainable
+from pretrain.layout_plan import GIB, RESERVE, single_device_plan
 from pretrain.metrics import memory_gib, peak_flops, peak_flops_for_name
 from run.config import RunConfig, load_run_config
 
@@ -51,6 +61,8 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 PRESETS = ("llama-124m", "llama-1.3b")
 SEQ_LEN = 4096
 QUICK_SEQ_LEN = 128
+QUICK_MEMORY = 1 << 30  # --quick plans for this nominal device
+QUICK_MICRO = 2  # and at most this micro-batch
 # --quick: a tiny shape of the same family (every other setting from the preset's config)
 QUICK_MODEL = ("model.d_model=64", "model.n_layers=2", "model.n_heads=4", "model.d_ff=128", "model.vocab_size=256")
 
@@ -65,22 +77,24 @@ def config_path(preset: str, kind: str) -> Path:
     return CONFIG_DIR / (f"{preset}.toml" if kind == "full" else f"{preset}_{kind}.toml")
 
 
-def arm_config(preset: str, kind: str, *, seq_len: int, device: str, quick: bool, micro_batch: int = 0) -> RunConfig:
-    """The run config an arm trains with: the launch config on one device at ``seq_len``, the micro-batch
-    (0 = derived) holding the tokens the preset's micro-batch holds at its own length."""
-    path = config_path(preset, kind)
-    if quick and not micro_batch:
-        micro_batch = 2
-    if not micro_batch:
-        base = load_run_config(path, validate=False)
-        micro_batch = max(1, base.train.micro_batch_size * base.data.seq_len // seq_len)
+def device_memory(device: str) -> int:
+    """The bytes one device holds: a CUDA device's total memory, or the machine's physical memory for the CPU."""
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        return int(torch.cuda.get_device_properties(dev).total_memory)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _arm_run_config(path: Path, *, seq_len: int, device: str, quick: bool, micro: int, ac: str = "") -> RunConfig:
     overrides = [
         "train.engine=single",
         f"train.device={device}",
         f"data.seq_len={seq_len}",
-        f"train.batch_size={micro_batch}",
-        f"train.micro_batch_size={micro_batch}",
+        f"train.batch_size={micro}",
+        f"train.micro_batch_size={micro}",
     ]
+    if ac:
+        overrides.append(f"train.activation_checkpointing={ac}")
     if quick:
         overrides += [*QUICK_MODEL, "train.compile=false", "train.precision=auto"]
     cfg = load_run_config(path, overrides, validate=False)
@@ -88,6 +102,68 @@ def arm_config(preset: str, kind: str, *, seq_len: int, device: str, quick: bool
     cfg.model.validate()
     cfg.train.validate()
     return cfg
+
+
+def most_micro(path: Path, seq_len: int, quick: bool) -> int:
+    """The largest micro-batch an arm may take: the preset's tokens per step at ``seq_len``, rounded down to a power
+    of two (``QUICK_MICRO`` with ``--quick``)."""
+    if quick:
+        return QUICK_MICRO
+    base = load_run_config(path, validate=False)
+    sequences = max(1, base.train.batch_size * base.data.seq_len // seq_len)
+    return 1 << (sequences.bit_length() - 1)
+
+
+def arm_plan(
+    preset: str, kind: str, *, seq_len: int, device: str, quick: bool, micro_batch: int = 0, memory: int = 0
+) -> tuple[RunConfig, dict[str, Any]]:
+    """The run config an arm trains with (the launch config on one device at ``seq_len``) and how its activation
+    checkpointing and micro-batch were chosen: ``micro_batch`` > 0 fixes the micro-batch (the preset's
+    checkpointing); 0 plans both for one device of ``memory`` bytes (0: this device's, ``device_memory``;
+    ``QUICK_MEMORY`` with ``quick``): ``single_device_plan``'s pick up to ``most_micro``. When nothing fits by the
+    estimate the arm still runs, at micro-batch 1 with full recomputation, and says so."""
+    path = config_path(preset, kind)
+    if micro_batch:
+        cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro_batch)
+        return cfg, {"planned": False}
+    memory = memory or (QUICK_MEMORY if quick else device_memory(device))
+    most = most_micro(path, seq_len, quick)
+    sized = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=1)
+    chosen = single_device_plan(sized, memory, max_micro=most, reserve=RESERVE)
+    ac, micro = (chosen.ac, chosen.micro) if chosen is not None else ("full", 1)
+    cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro, ac=ac)
+    plan = {
+        "planned": True,
+        "memory_gib": memory / GIB,
+        "reserve": RESERVE,
+        "max_micro": most,
+        "fits": chosen is not None,
+        "estimate_gib": chosen.total / GIB if chosen is not None else None,
+    }
+    return cfg, plan
+
+
+def arm_config(
+    preset: str, kind: str, *, seq_len: int, device: str, quick: bool, micro_batch: int = 0, memory: int = 0
+) -> RunConfig:
+    """``arm_plan``'s run config."""
+    return arm_plan(preset, kind, seq_len=seq_len, device=device, quick=quick, micro_batch=micro_batch, memory=memory)[
+        0
+    ]
+
+
+def plan_text(row: dict[str, Any]) -> str:
+    """How a row's checkpointing and micro-batch were chosen, in a few words."""
+    plan = row.get("plan") or {}
+    head = f"micro-batch {row['micro_batch']}, checkpointing {row['activation_checkpointing']}"
+    if not plan.get("planned"):
+        return head + " (fixed)"
+    if not plan["fits"]:
+        return head + f" (nothing fits {plan['memory_gib']:.0f} GiB by the planner's estimate)"
+    return (
+        head + f" (planned: {plan['estimate_gib']:.1f} GiB estimated of {plan['memory_gib']:.0f} GiB less "
+        f"{plan['reserve']:.0%})"
+    )
 
 
 def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float:
@@ -143,10 +219,13 @@ def measure_arm(
     profile_steps: int = 0,
     profile_top: int = profiling.TOP,
     measured: Callable[[dict[str, Any]], None] | None = None,
+    plan: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Time ``steps`` training steps after ``warmup`` of the arm ``cfg`` describes. Past ``deadline``
-    (``time.perf_counter()``) it stops after the current step, keeping at least one timed step; once the timed steps
-    pass ``max_timed_s`` seconds (0: no limit) it stops after 3 of them (a slow arm's median needs no more).
+    (``time.perf_counter()``) it stops after the current step, keeping at least one timed step, and a warm-up step
+    after the first (which compiles) that leaves no room for two more steps before it ends the warm-up; once the timed
+    steps pass ``max_timed_s`` seconds (0: no limit) it stops after 3 of them (a slow arm's median needs no more).
+    ``plan``: how the arm's checkpointing and micro-batch were chosen (``arm_plan``), kept in the row.
 
     ``profile_steps``: then profile that many more steps (``bench.profiling``: top kernels, launches and host
     synchronisations per step) into ``row["profile"]``, on the model the timed steps compiled; one step when a step
@@ -170,8 +249,11 @@ def measure_arm(
         t0 = time.perf_counter()
         loss, finite = train_step(model, engine, cfg, tokens, step)
         _sync(device)
+        took = time.perf_counter() - t0
+        if 0 < step < warmup - 1 and deadline is not None and time.perf_counter() + 2 * took > deadline:
+            warmup = step + 1  # a slow arm near its deadline: time the next step rather than warm up again
         if step >= warmup:
-            times.append(time.perf_counter() - t0)
+            times.append(took)
             if deadline is not None and time.perf_counter() > deadline:
                 break
             if max_timed_s and len(times) >= 3 and sum(times) > max_timed_s:
@@ -189,6 +271,7 @@ def measure_arm(
         "precision": cfg.train.precision,
         "compile": cfg.train.compile,
         "activation_checkpointing": cfg.train.activation_checkpointing,
+        "plan": plan or {"planned": False},
         "parameters": sum(p.numel() for p in model.parameters()),
         "step_s": step_s,
         "step_s_all": times,
@@ -245,8 +328,9 @@ def bench_arms(
     for preset in presets:
         for kind in variants:
             try:
-                cfg = arm_config(preset, kind, seq_len=seq_len, device=device, quick=quick, micro_batch=micro_batch)
-                row = {"preset": preset, **measure_arm(cfg, steps=steps, warmup=warmup, peak=peak, deadline=deadline)}
+                cfg, plan = arm_plan(preset, kind, seq_len=seq_len, device=device, quick=quick, micro_batch=micro_batch)
+                measured = measure_arm(cfg, steps=steps, warmup=warmup, peak=peak, deadline=deadline, plan=plan)
+                row = {"preset": preset, **measured}
             except (RuntimeError, MemoryError, ValueError) as err:
                 if errors is None:
                     raise
@@ -254,24 +338,30 @@ def bench_arms(
                 release(torch.device(resolve_device(device)))
                 continue
             full = next((r for r in rows if r["preset"] == preset and r["kind"] == "full"), None)
-            row["step_ratio"] = row["step_s"] / full["step_s"] if full else None
+            row["step_ratio"] = time_ratio(row, full) if full else None
             rows.append(row)
             print(f"  train {preset} {kind}: {format_row(row)}", flush=True)
     return rows
+
+
+def time_ratio(row: dict[str, Any], full: dict[str, Any]) -> float:
+    """The arm's time per token / full attention's (of the same preset): their step times' ratio when the
+    micro-batches agree."""
+    return full["tokens_per_s"] / row["tokens_per_s"]
 
 
 def format_row(row: dict[str, Any]) -> str:
     mfu_text = f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""
     return (
         f"step {row['step_s'] * 1e3:.1f} ms, {row['tokens_per_s']:,.0f} tok/s{mfu_text}, "
-        f"peak {row['peak_memory_gib']:.2f} GiB"
+        f"peak {row['peak_memory_gib']:.2f} GiB; {plan_text(row)}"
     )
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| preset | variant | T | micro-batch | step ms | step / full | tokens/s | MFU | peak GiB | precision, "
-        "compile, checkpointing |",
+        "| preset | variant | T | micro-batch | step ms | time per token / full | tokens/s | MFU | peak GiB | "
+        "precision, compile, checkpointing |",
         "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:

@@ -36,6 +36,7 @@ _KEYS = {
     "train.compile": LAUNCH,
     "train.activation_checkpointing": LAUNCH,
     "train.fused_cross_entropy": LAUNCH,
+    "train.sdpa_backend": LAUNCH,
     "train.micro_batch_size": LAUNCH,
     "train.fsdp2.replicate": LAUNCH,
     "train.parallel": LAUNCH,  # tp / cp: the layout; DCP reshards the state onto another

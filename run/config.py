@@ -14,6 +14,7 @@ from core.device import check_device_name
 from core.errors import ConfigError, check_choice, check_min, check_range
 from data.config import DataConfig
 from model.activation_checkpointing import MODES as AC_MODES
+from model.attention.common.sdpa import SDPA_BACKENDS
 from model.config import ModelConfig, model_config_from_dict
 from run.engines import ENGINE_SPECS
 from run.parallel import ParallelConfig, check_layout
@@ -97,6 +98,9 @@ class TrainConfig:
     # the LM head and cross-entropy fused and chunked (model/loss.py): no [tokens, vocab] logits kept; false = the
     # plain head (the reference; losses equal to float32 rounding)
     fused_cross_entropy: bool = True
+    # the SDPA backend tried first on CUDA (the others follow as fallbacks): auto (cudnn, then flash, efficient,
+    # math) | cudnn | flash | efficient | math
+    sdpa_backend: str = "auto"
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
     # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
     init_from: str = ""
@@ -153,6 +157,7 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "stop_at", "unfreeze_at"):
             check_min(f"train.{name}", getattr(self, name), 0)
         check_choice("train.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        check_choice("train.sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
         self.parallel.validate("train.parallel.")
         for name, options in self.engine_options.items():
             options.validate(f"train.{name}.")

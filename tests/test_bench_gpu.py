@@ -62,14 +62,28 @@ def test_every_variant_arm_counts_full_attentions_flops(preset: str = "llama-124
         assert train_step.train_flops_per_token(cfg.model, T) == expected
 
 
-def test_arms_keep_the_presets_training_settings():
-    big = train_step.arm_config("llama-1.3b", "full", seq_len=T, device="cpu", quick=False)
-    # launch/configs/llama-1.3b.toml: micro-batch 4 x 2048 tokens -> 2 x 4096; bf16, compile, selective checkpointing
-    assert (big.train.engine, big.train.micro_batch_size, big.data.seq_len) == ("single", 2, T)
-    assert (big.train.precision, big.train.compile, big.train.activation_checkpointing) == ("bf16", True, "selective")
-    small = train_step.arm_config("llama-124m", "full", seq_len=T, device="cpu", quick=False)
-    assert (small.train.micro_batch_size, small.train.activation_checkpointing) == (8, "none")  # 16 x 2048 tokens
-    lazy = train_step.arm_config("llama-124m", "lazy", seq_len=T, device="cpu", quick=False)
+def test_arms_take_the_planners_checkpointing_and_micro_batch_and_the_presets_other_settings():
+    """An arm runs what a user would on its one device (``pretrain.layout_plan.single_device_plan``): no
+    recomputation when it fits, the largest micro-batch that fits; precision, compile and the rest from the preset."""
+    h100, h200 = 80 << 30, 141 * 10**9
+    big, plan = train_step.arm_plan("llama-1.3b", "full", seq_len=T, device="cpu", quick=False, memory=h100)
+    assert (big.train.engine, big.data.seq_len, big.train.activation_checkpointing) == ("single", T, "none")
+    assert big.train.micro_batch_size == big.train.batch_size == 4  # the figures at the time of writing
+    assert (big.train.precision, big.train.compile, big.train.fused_cross_entropy) == ("bf16", True, True)
+    assert plan["planned"] and plan["fits"] and plan["max_micro"] == 256  # 512 x 2048 tokens per step at 4096
+    assert plan["estimate_gib"] <= 80 * 0.9
+    row = {"micro_batch": 4, "activation_checkpointing": "none", "plan": plan}
+    assert train_step.plan_text(row).startswith("micro-batch 4, checkpointing none (planned: ")
+    h200_cfg = train_step.arm_config("llama-1.3b", "full", seq_len=T, device="cpu", quick=False, memory=h200)
+    assert (h200_cfg.train.activation_checkpointing, h200_cfg.train.micro_batch_size) == ("none", 8)
+    # --micro-batch fixes it, with the preset's checkpointing (launch/configs/llama-1.3b.toml: selective)
+    fixed, plan = train_step.arm_plan("llama-1.3b", "full", seq_len=T, device="cpu", quick=False, micro_batch=2)
+    assert (fixed.train.micro_batch_size, fixed.train.activation_checkpointing, plan) == (
+        2,
+        "selective",
+        {"planned": False},
+    )
+    lazy = train_step.arm_config("llama-124m", "lazy", seq_len=T, device="cpu", quick=False, memory=h100)
     assert lazy.model.rope.theta == 500000.0  # the variant's launch override (derived config)
 
 
@@ -396,6 +410,14 @@ def test_profiles_reach_both_reports(tmp_path):
         "precision": "bf16",
         "compile": True,
         "activation_checkpointing": "selective",
+        "plan": {
+            "planned": True,
+            "memory_gib": 80.0,
+            "reserve": 0.1,
+            "max_micro": 256,
+            "fits": True,
+            "estimate_gib": 61.5,
+        },
         "step_s": 0.2,
         "tokens_per_s": 40960.0,
         "peak_memory_gib": 20.0,
@@ -420,6 +442,9 @@ def test_profiles_reach_both_reports(tmp_path):
     )
     assert "| train llama-1.3b full | full | 1 | `ampere_bf16_gemm_128x128` | 2 | 0.600 | 85.7% |" in md
     assert "- train llama-1.3b full, full: `cudaStreamSynchronize` 1" in md
+    # the headline states the arm's checkpointing and micro-batch, and that the planner chose them
+    what = "llama-1.3b full attention MFU (T=4096, micro-batch 2, checkpointing selective (planned: 61.5 GiB estimated "
+    assert f"| {what}of 80 GiB less 10%)) | 42.0% (40,960 tok/s) |" in md
 
 
 @pytest.mark.parametrize(

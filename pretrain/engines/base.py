@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from core.device import autocast_dtype
 from model.attention.common.context_parallel import ContextParallel, shard_batch
+from model.attention.common.sdpa import sdpa_backends
 from model.transformer import Transformer
 from pretrain.engines.parallelize import parallelize
 from pretrain.optim import build_optimizer, build_scheduler
@@ -89,6 +90,10 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
+    def attention_backends(self) -> contextlib.AbstractContextManager:
+        """The training forward's SDPA backends on CUDA, in ``train.sdpa_backend``'s priority (``sdpa_backends``)."""
+        return sdpa_backends(self.cfg.sdpa_backend, self.device.type)
+
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         """Skip gradient synchronisation on all but the last micro-batch (data-parallel engines)."""
         return contextlib.nullcontext()
@@ -136,7 +141,7 @@ class Engine:
         inputs, targets = self.local_batch(inputs, targets)
         inputs, targets = inputs.to(self.device, non_blocking=True), targets.to(self.device, non_blocking=True)
         with self.no_sync(sync):
-            with self.autocast():
+            with self.autocast(), self.attention_backends():
                 out = self.model(inputs, targets=targets, return_logits=False)
             loss = out.loss_sum * (loss_scale * self.grad_average_ranks)
             if out.aux_loss is not None:

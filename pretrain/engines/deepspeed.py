@@ -108,7 +108,8 @@ class DeepSpeedEngine(DataParallelEngine):
         self, inputs: Tensor, targets: Tensor, *, loss_scale: float, aux_scale: float, sync: bool
     ) -> MicroStepOut:
         inputs, targets = inputs.to(self.device), targets.to(self.device)
-        out = self.ds(inputs, targets=targets, return_logits=False)
+        with self.attention_backends():
+            out = self.ds(inputs, targets=targets, return_logits=False)
         loss = out.loss_sum * (loss_scale * self.world_size)  # DeepSpeed averages over ranks
         if out.aux_loss is not None:
             loss = loss + out.aux_loss * aux_scale

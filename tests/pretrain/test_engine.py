@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from core.device import autocast_dtype
+from core.errors import ConfigError
 from model.config import ModelConfig
 from model.transformer import Transformer
 from pretrain.engines import build_engine
@@ -117,3 +120,51 @@ def test_engine_options_live_in_their_own_tables_and_old_keys_still_read(capsys)
         load_run_config(None, ["train.zero_stage=2", "train.deepspeed.zero_stage=3"])
     with pytest.raises(ConfigError, match=r"^train.deepspeed.zero_stage: must be in \[0, 3\], got 4$"):
         load_run_config(None, ["train.engine=deepspeed", "train.deepspeed.zero_stage=4"])
+
+
+def test_sdpa_backend_order_puts_the_chosen_backend_first_and_the_rest_after():
+    from torch.nn.attention import SDPBackend as B
+
+    from model.attention.common.sdpa import sdpa_backend_order
+
+    auto = [B.CUDNN_ATTENTION, B.FLASH_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH]
+    assert sdpa_backend_order("auto") == auto
+    assert sdpa_backend_order("flash") == [B.FLASH_ATTENTION, B.CUDNN_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH]
+    assert sdpa_backend_order("math")[0] == B.MATH and set(sdpa_backend_order("math")) == set(auto)
+    with pytest.raises(ConfigError, match=r"^train.sdpa_backend: 'fa9' is not one of auto, cudnn, flash"):
+        TrainConfig(sdpa_backend="fa9").validate()
+
+
+def test_the_training_forward_runs_under_the_sdpa_priority_on_cuda(monkeypatch):
+    """The engine enters ``sdpa_kernel(order, set_priority=True)`` around the forward on CUDA (forced here: the
+    model stays on the CPU, whose build keeps the same priority flags): SDPA's priority inside the forward is the
+    configured order, and the previous one comes back after. On the CPU nothing is entered."""
+    from torch.nn.attention import SDPBackend as B
+
+    from model.attention.common import sdpa
+    from pretrain.engines import base
+
+    devices: list[str] = []
+
+    def on_cuda(name: str, device_type: str):
+        devices.append(device_type)
+        return sdpa.sdpa_backends(name, "cuda")
+
+    monkeypatch.setattr(base, "sdpa_backends", on_cuda)
+    before = torch._C._get_sdp_priority_order()
+    e = engine()
+    e.cfg.sdpa_backend = "flash"
+    seen: list[list[int]] = []
+    forward = e.model.forward
+
+    def spied(*args, **kwargs):
+        seen.append(torch._C._get_sdp_priority_order())
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(e.model, "forward", spied)
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(4))
+    e.micro_step(batch[:, :-1], batch[:, 1:], loss_scale=1 / 32, aux_scale=1.0, sync=True)
+    order = [int(b) for b in (B.FLASH_ATTENTION, B.CUDNN_ATTENTION, B.EFFICIENT_ATTENTION, B.MATH)]
+    assert devices == ["cpu"] and seen and seen[0][:4] == order
+    assert torch._C._get_sdp_priority_order() == before
+    assert isinstance(sdpa.sdpa_backends("auto", "cpu"), contextlib.nullcontext)

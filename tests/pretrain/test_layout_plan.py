@@ -12,7 +12,8 @@ import torch
 from launch import plan as planner
 from launch import submit
 from launch.presets import CONFIG_DIR
-from pretrain import train
+from model.loss import default_chunk
+from pretrain import layout_plan, train
 from run.config import load_run_config
 from run.parallel import ParallelLayout
 
@@ -86,3 +87,56 @@ def test_bad_flags_give_one_line_and_exit_2(flags, line, capsys):
     assert planner.main(["--config", str(CONFIG_DIR / "tiny.toml"), *flags]) == 2
     err = capsys.readouterr().err
     assert err.startswith(line) and err.count("\n") == 1, err
+
+
+def _one_device(preset: str, seq_len: int, memory: int, batch: int) -> list[layout_plan.Estimate]:
+    sets = [f"data.seq_len={seq_len}", f"model.max_seq_len={seq_len}", f"train.batch_size={batch}"]
+    return layout_plan.plan(load_run_config(CONFIG_DIR / f"{preset}.toml", sets), 1, memory)
+
+
+@pytest.mark.parametrize("memory", [80 << 30, 141 * 10**9], ids=["h100-80GiB", "h200-141GB"])
+def test_llama_1_3b_at_4096_on_one_large_gpu_runs_without_recomputation_at_the_largest_micro_batch(memory):
+    """What a user picks on one large GPU: no activation checkpointing when it fits, and the largest micro-batch
+    (a divisor of the batch) whose estimate fits the device less its 10% reserve, the next one up not fitting."""
+    estimates = _one_device("llama-1.3b", 4096, memory, 64)
+    chosen = layout_plan.pick(estimates)
+    assert chosen is not None and chosen.ac == "none" and chosen.layout.world == 1
+    assert chosen.capacity == int(memory * 0.9) and chosen.total <= chosen.capacity
+    cfg = load_run_config(CONFIG_DIR / "llama-1.3b.toml", ["data.seq_len=4096", "model.max_seq_len=4096"])
+    model, layout = layout_plan.meta_model(cfg), chosen.layout
+    bigger = layout_plan.estimate(
+        cfg, model, layout, ac="none", micro=2 * chosen.micro, capacity=chosen.capacity, accumulate=True
+    )
+    assert not bigger.fits
+    assert chosen.micro >= (8 if memory > 100 << 30 else 4)  # the estimate's figures at the time of writing
+
+
+@pytest.mark.parametrize("memory", [80 << 30, 141 * 10**9], ids=["h100-80GiB", "h200-141GB"])
+def test_llama_7b_at_32k_keeps_recomputation_and_a_small_micro_batch(memory):
+    """One GPU holds no 7B run at 32K (its float32 state and AdamW alone pass 100 GiB); one node of 8 does, with
+    activation checkpointing on and one sequence per micro-batch."""
+    assert layout_plan.pick(_one_device("llama-7b", 32768, memory, 8)) is None
+    sets = ["data.seq_len=32768", "model.max_seq_len=32768", "train.batch_size=8"]
+    chosen = layout_plan.pick(layout_plan.plan(load_run_config(CONFIG_DIR / "llama-7b.toml", sets), 8, memory))
+    assert chosen is not None and chosen.ac != "none" and chosen.micro == 1
+
+
+def test_micro_batches_divide_the_replicas_batch_largest_first():
+    assert layout_plan.micro_batches(12) == [12, 6, 4, 3, 2, 1]
+    assert layout_plan.micro_batches(12, largest=5) == [4, 3, 2, 1]
+    assert layout_plan.micro_batches(1) == [1]
+
+
+def test_the_fused_head_counts_a_chunk_of_logits_not_the_whole_batchs():
+    """train.fused_cross_entropy: no float32 [tokens, V] log-softmax kept, one chunk's transients instead."""
+    cfg = load_run_config(CONFIG_DIR / "llama-1.3b.toml", ["data.seq_len=4096", "model.max_seq_len=4096"])
+    model, layout = layout_plan.meta_model(cfg), ParallelLayout()
+    kw = dict(micro=8, seq_len=4096, cp=1, tp=1, mode="none", dtype_bytes=2, sequence_parallel=False)
+    plain, fused = layout_plan.activation_bytes(model, **kw), layout_plan.activation_bytes(model, **kw, fused_head=True)
+    vocab = cfg.model.vocab_size
+    assert plain.final - fused.final >= 8 * 4096 * (4 * vocab - 4 * cfg.model.d_model) - 4 * vocab * cfg.model.d_model
+    w_plain = layout_plan.working_bytes(model, layout, micro=8, seq_len=4096, accumulation=0)
+    w_fused = layout_plan.working_bytes(model, layout, micro=8, seq_len=4096, accumulation=0, fused_head=True)
+    tokens, d = 8 * 4096, cfg.model.d_model
+    chunk = default_chunk(tokens, vocab)  # 8192 tokens at V = 32000: a quarter of the batch's logits
+    assert w_plain - w_fused == tokens * vocab * 6 - (chunk * vocab * 6 + 2 * (tokens + vocab) * d) > 0

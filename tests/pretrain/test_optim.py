@@ -60,3 +60,12 @@ def test_no_decay_on_norms_biases_and_embeddings():
     }
     assert no_decay["weight_decay"] == 0.0
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_adamw_is_the_fused_kernel_on_cuda_and_cpu(device):
+    """One kernel launch per parameter group rather than a loop of per-tensor ops (issue 36: what a user runs on a
+    large GPU). The parameters stay on the CPU here; the flag follows the device the engine names."""
+    model = Transformer(small_model_config())
+    opt = build_optimizer(model, TrainConfig(), torch.device(device))
+    assert opt.defaults["fused"] is True and not opt.defaults["foreach"]

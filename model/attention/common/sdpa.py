@@ -4,11 +4,13 @@ On Hopper and newer GPUs torch 2.11 tries cuDNN's SDPA first, and cuDNN builds a
 (FunASR issue 3704 measured 0.44 s per new shape on a B200). Decoding changes the key length with every token. On an
 H100 this project measured 43.6 ms per decode token of full attention at a 16K context (docs/benchmarks.md), far above
 what reading 16K keys and values should take (an estimate, not a measurement: 16 MiB in bf16 at ~3 TB/s is ~5 us).
-These calls therefore leave cuDNN out; fixed-shape training calls keep torch's choice.
+These calls therefore leave cuDNN out; fixed-shape training calls take ``train.sdpa_backend``'s order
+(``sdpa_backends``), entered around the training forward by the engine.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -17,6 +19,34 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 VARYING_SHAPE_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+# train.sdpa_backend: the SDPA backend tried first on CUDA; the others follow in "auto"'s order, so a call the named
+# backend cannot take (a mask, a head dimension, a dtype) falls back instead of failing. "auto": cuDNN (the fastest
+# for bf16 causal attention on Hopper), then FlashAttention-2, then memory-efficient, then math.
+_BACKENDS = {
+    "cudnn": SDPBackend.CUDNN_ATTENTION,
+    "flash": SDPBackend.FLASH_ATTENTION,
+    "efficient": SDPBackend.EFFICIENT_ATTENTION,
+    "math": SDPBackend.MATH,
+}
+SDPA_BACKENDS = ("auto", *_BACKENDS)
+
+
+def sdpa_backend_order(name: str) -> list[SDPBackend]:
+    """The priority order ``train.sdpa_backend = name`` sets: ``name``'s backend first, then "auto"'s order."""
+    if name not in SDPA_BACKENDS:
+        raise ValueError(f"train.sdpa_backend: {name!r} is not one of {', '.join(SDPA_BACKENDS)}")
+    auto = list(_BACKENDS.values())
+    return auto if name == "auto" else [_BACKENDS[name], *(b for b in auto if b != _BACKENDS[name])]
+
+
+def sdpa_backends(name: str, device_type: str) -> contextlib.AbstractContextManager[Any]:
+    """SDPA's backends in ``sdpa_backend_order(name)``'s priority (``sdpa_kernel(..., set_priority=True)``, torch
+    >= 2.6) on CUDA; nothing elsewhere (the CPU has its own kernels). Entered outside compiled code: SDPA picks its
+    kernel when dynamo traces the call, so the compiled step keeps the backend it was traced under."""
+    if device_type != "cuda":
+        return contextlib.nullcontext()
+    return sdpa_kernel(sdpa_backend_order(name), set_priority=True)
 
 
 def sdpa_varying(q: Tensor, k: Tensor, v: Tensor, **kwargs: Any) -> Tensor:
