@@ -37,7 +37,9 @@ def test_results_accumulate_per_task_with_time_and_command(tmp_path, capsys):
     both = json.loads(out.read_text())
     assert both["ppl"] == {"loss": 3.0} and both["needle"] == {"average": 0.5}
     assert both["provenance"]["ppl"]["command"] == "python -m eval.run A" and both["provenance"]["needle"]["time"]
-    write_results(out, {"checkpoint": ckpt, "step": 2, "ppl": {"loss": 2.0}, "plots": {"loss_curves": "x"}}, command="C")
+    write_results(
+        out, {"checkpoint": ckpt, "step": 2, "ppl": {"loss": 2.0}, "plots": {"loss_curves": "x"}}, command="C"
+    )
     again = json.loads(out.read_text())
     assert again["ppl"] == {"loss": 2.0} and again["needle"] == {"average": 0.5} and again["plots"]
     assert again["provenance"]["ppl"]["command"] == "C" and again["provenance"]["needle"]["command"] == "B"
