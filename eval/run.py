@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, install_hint
 from core.files import atomic_write_text
 from run import checkpoint as checkpoint_lib
 
@@ -234,7 +234,7 @@ def parse_tasks(raw: str) -> tuple[list[str], list[str]]:
     harness = lm_eval_tasks() if others else ()
     unknown = [t for t in others if t not in harness]
     if unknown or not tasks:
-        extra = "" if harness else " (lm-eval tasks such as hellaswag need pip install -e '.[eval]')"
+        extra = "" if harness else f" (lm-eval tasks such as hellaswag need lm-eval: {install_hint('eval')})"
         allowed = ", ".join(sorted({*TASKS, *harness}))
         raise ConfigError(
             f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, "
@@ -415,6 +415,7 @@ def longest_input(tasks: list[str], args: argparse.Namespace, samples: dict[str,
     return max(lengths, default=0)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "eval.run", *(sys.argv[1:] if argv is None else argv)])
     args = _build_parser().parse_args(argv)

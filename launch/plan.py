@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core import configlib
-from core.errors import ConfigError, OneLineParser
+from core.errors import ConfigError, OneLineParser, cli_errors
 from core.files import atomic_write_text
 from run.parallel import ParallelLayout
 
@@ -387,6 +387,7 @@ def emitted_config(raw: dict, chosen: Estimate) -> dict:
 # ---- the command --------------------------------------------------------------------------------
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
         name_prog=False,

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core import configlib
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, require
 from core.files import atomic_write_text
 from pretrain.signals import PREEMPTED_MARKER, Preempted, SignalHandler
 
@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     """Signals are caught for the whole process: before training has progress they stop it at once
     (exit 75, or 130 for Ctrl-C), after it they checkpoint first (pretrain.signals)."""
@@ -103,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: RunConfig, signals: SignalHandler) -> int:
+    if cfg.train.engine == "deepspeed":  # the optional packages the run needs, one line each before any work
+        require("deepspeed", "train.engine = deepspeed")
+    if cfg.eval.tasks:
+        require("lm_eval", "eval.tasks")
     from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
     from pretrain.loop import Trainer
 
