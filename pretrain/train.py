@@ -86,6 +86,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_key:
                 print(_resolved(cfg, args.print_key))
                 return 0
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _is_main_rank():  # one voice per job: rank 0's
+                from pretrain.loggers import rank_log
+
+                rank_log(cfg.run_dir, int(os.environ["RANK"]))
             return _train(cfg, signals)
         except ConfigError as exc:  # a loader worker's error arrives wrapped in its traceback: its last line
             print(f"error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
