@@ -254,8 +254,15 @@ def rank_log(run_dir: Path, rank: int) -> Path:
     stream = _RankFile(path)
     sys.stdout = stream
 
-    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int, *_: Any) -> None:
-        stream.write(warnings.formatwarning(message, category, filename, lineno))
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
         stream.flush()
 
     warnings.showwarning = show
