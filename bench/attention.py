@@ -48,6 +48,7 @@ from torch import Tensor
 
 from bench import profiling
 from bench.memory import PeakMemory, cache_nbytes, fix_malloc_for_rss, measure
+from core.errors import cli_errors
 from model.attention import Attention, KVCache, LayerSpec, build_attention, registry
 from model.config import ModelConfig, preset_dict
 
@@ -541,6 +542,7 @@ def parse_ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.attention", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -633,4 +635,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -36,6 +36,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from core.errors import cli_errors
+
 if TYPE_CHECKING:
     from data.shards import PreparedDataset
     from data.tokenizer import Tokenizer
@@ -228,6 +230,7 @@ def report(args: argparse.Namespace, rows: list[Row], models: list[ModelRate], c
     return "\n".join(lines)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.data_throughput", description=__doc__.splitlines()[0])
     parser.add_argument(

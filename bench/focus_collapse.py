@@ -18,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench.reproduce import MEASUREMENT_RUN
+from core.errors import cli_errors
 
 DEFAULT_DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "english_novels"
 
@@ -65,6 +66,7 @@ def run(label: str, args: argparse.Namespace, root: Path) -> dict[int, dict]:
     return rows
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument(

@@ -36,6 +36,8 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
+from core.errors import cli_errors
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_DATA = REPO.parent / "shared" / "data" / "english_novels"
 DEFAULT_OUT = REPO / "docs" / "reproduce.md"
@@ -269,6 +271,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_start = time.perf_counter(), os.getloadavg()

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from bench import profiling
 from core.device import resolve_device
+from core.errors import cli_errors
 from model.attention import registry
 from model.config import AttentionConfig, ModelConfig
 from model.counts import flops_per_token
@@ -379,6 +380,7 @@ def parse_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.train_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -422,4 +424,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

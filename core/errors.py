@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import importlib.util
 import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
@@ -16,6 +17,47 @@ from typing import Any, NoReturn
 
 class ConfigError(ValueError):
     """Invalid configuration or input, detected before any work starts."""
+
+
+# The optional packages by import name, and the extra of setup.cfg that installs each (a journey each: hf for the
+# Hugging Face export / import, eval for lm-eval tasks, ...); tests/test_extras.py keeps this table and setup.cfg equal.
+EXTRAS = {
+    "transformers": "hf",
+    "lm_eval": "eval",
+    "accelerate": "eval",
+    "deepspeed": "deepspeed",
+    "flash_attn": "flash",
+}
+
+
+class MissingExtra(ConfigError):
+    """An optional package is not installed: one line naming the extra that installs it."""
+
+
+def install_hint(extra: str) -> str:
+    return f"pip install -e '.[{extra}]'"
+
+
+def missing_extra(module: str, needed_for: str = "") -> MissingExtra:
+    """The one-line error for optional ``module`` (an import name of ``EXTRAS``, or a submodule of one)."""
+    top = module.split(".")[0]
+    hint = install_hint(EXTRAS[top])
+    if needed_for:
+        return MissingExtra(f"{needed_for} needs {top}, which is not installed: {hint}")
+    return MissingExtra(f"{top} is not installed: {hint}")
+
+
+def require(module: str, needed_for: str) -> None:
+    """Stop with one line naming the extra when optional ``module`` is not installed (it is not imported here)."""
+    if importlib.util.find_spec(module.split(".")[0]) is None:
+        raise missing_extra(module, needed_for)
+
+
+def optional_import_error(exc: BaseException) -> MissingExtra | None:
+    """``exc`` as a missing extra when it is an import of one of ``EXTRAS`` that failed for want of the package."""
+    if isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] in EXTRAS:
+        return missing_extra(exc.name or "")
+    return None
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -53,7 +95,8 @@ def check_range(
 
 
 def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
-    """A CLI's ``main``: a ``ConfigError`` becomes ``error: <line>`` on stderr and exit code 2."""
+    """A CLI's ``main``: a ``ConfigError``, or an optional package of ``EXTRAS`` found missing on import, becomes
+    ``error: <line>`` on stderr (the latter naming the extra to install) and exit code 2."""
 
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> int:
@@ -61,6 +104,12 @@ def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
             return main(*args, **kwargs) or 0
         except ConfigError as exc:
             print(f"error: {exc}", file=sys.stderr)
+            return 2
+        except ModuleNotFoundError as exc:
+            missing = optional_import_error(exc)
+            if missing is None:
+                raise
+            print(f"error: {missing}", file=sys.stderr)
             return 2
 
     return run

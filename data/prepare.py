@@ -24,7 +24,7 @@ from types import FrameType
 import numpy as np
 from tqdm import tqdm
 
-from core.errors import ConfigError, OneLineParser, check_choice, check_min, check_range
+from core.errors import ConfigError, OneLineParser, check_choice, check_min, check_range, cli_errors
 from data.config import SOURCES, DataConfig
 from data.prepare_output import Journal, check_writable, partial_dir, partial_output
 from data.shards import (
@@ -366,6 +366,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
     raise Terminated(signum)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _terminate)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from core.errors import ConfigError, OneLineParser, cli_errors
+from core.errors import ConfigError, OneLineParser, cli_errors, require
 from data.config import MIN_TRAINED_VOCAB, DataConfig, custom_code, custom_code_line
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
@@ -254,13 +254,13 @@ def load_tokenizer_folder(path: Path) -> Tokenizer:
     ranks = sorted(path.glob("*.tiktoken"))
     if len(ranks) == 1:
         return TiktokenTokenizer(ranks[0])
-    try:
-        from transformers import AutoTokenizer
-    except ImportError:
-        raise ConfigError(
-            f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file (converting other "
-            "Hugging Face tokenizer files needs pip install transformers)"
-        ) from None
+    require(
+        "transformers",
+        f"data.tokenizer: {path} holds no tokenizer.json, tokenizer.model or .tiktoken file; converting its other "
+        "Hugging Face tokenizer files",
+    )
+    from transformers import AutoTokenizer
+
     try:
         # trust_remote_code=False also when a folder slips past the check above: transformers then refuses
         # instead of asking "run the custom code? [y/N]" at a terminal

@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, require
 
 
 def _with_task_dir(argv: list[str]) -> list[str]:
@@ -86,7 +86,9 @@ def _model_arg(model_args: str, key: str) -> str | None:
     return None
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
+    require("lm_eval", "python -m eval.lm_eval")
     import lm_eval.models  # noqa: F401  (registers lm-eval's own models, hf ...: its CLI alone does not here)
     from lm_eval.__main__ import cli_evaluate
 

@@ -19,7 +19,7 @@ import random
 import sys
 from pathlib import Path
 
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors
 from eval.longbench_metrics import normalize_answer
 
 SAMPLE = Path(__file__).resolve().parent / "longbench_samples" / "hotpotqa_e.jsonl"
@@ -74,6 +74,7 @@ def render(rows: list[dict]) -> str:
     return "".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m eval.longbench_sample", description=__doc__.split("\n\n")[0])
     p.add_argument("--data", required=True, help="the offline data bundle (../shared/data)")

@@ -1,7 +1,9 @@
 """``python -m eval.run --run DIR | --checkpoint DIR --tasks ppl,sample [--limit N] [--out FILE]``
 
 Evaluates a checkpoint (``--run`` takes the run's latest complete one) and writes
-``{task: {metric: value}}`` JSON, by default to ``<run>/eval/step_NNNNNNNN.json``.
+``{task: {metric: value}}`` JSON, by default to ``<run>/eval/step_NNNNNNNN.json``. Results accumulate: a call
+adds its tasks to what earlier calls on the same checkpoint wrote there (a task run again replaces only its own
+entry), and ``provenance`` records each task's time and command.
 
 Tasks:
 - ``ppl``: token-level loss and perplexity on the run's validation split (all of it, or ``--limit`` sequences).
@@ -30,16 +32,21 @@ length beyond the run's ``data.seq_len`` gets one warning line. Generation tasks
 from __future__ import annotations
 
 import argparse
+import contextlib
+import datetime
+import fcntl
 import json
 import math
+import os
+import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, install_hint
 from core.files import atomic_write_text
 from run import checkpoint as checkpoint_lib
 
@@ -227,7 +234,7 @@ def parse_tasks(raw: str) -> tuple[list[str], list[str]]:
     harness = lm_eval_tasks() if others else ()
     unknown = [t for t in others if t not in harness]
     if unknown or not tasks:
-        extra = "" if harness else " (lm-eval tasks such as hellaswag need pip install -e '.[eval]')"
+        extra = "" if harness else f" (lm-eval tasks such as hellaswag need lm-eval: {install_hint('eval')})"
         allowed = ", ".join(sorted({*TASKS, *harness}))
         raise ConfigError(
             f"--tasks: {', '.join(unknown) or '(empty)'} not available; allowed: {allowed}, "
@@ -408,7 +415,9 @@ def longest_input(tasks: list[str], args: argparse.Namespace, samples: dict[str,
     return max(lengths, default=0)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
+    command = shlex.join(["python", "-m", "eval.run", *(sys.argv[1:] if argv is None else argv)])
     args = _build_parser().parse_args(argv)
     try:
         tasks, harness_tasks = parse_tasks(args.tasks)
@@ -543,14 +552,68 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         if len(results) > 2:  # beyond checkpoint and step: the tasks that ran are kept
-            atomic_write_text(out, json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
+            write_results(out, results, command=command)
             print(f"results of the tasks that ran written to {out}", file=sys.stderr)
         return 2
     if args.run:
         results["plots"] = _run_plots(Path(args.run), out)
-    atomic_write_text(out, json.dumps(json_safe(results), indent=2, allow_nan=False) + "\n")
+    write_results(out, results, command=command)
     print(f"results written to {out}")
     return 0
+
+
+META_KEYS = ("checkpoint", "step", "plots", "provenance")  # the results file's keys that are not tasks
+
+
+def write_results(out: Path, results: dict, *, command: str) -> dict:
+    """Add this call's task ``results`` to the results file ``out`` (atomically, under a lock on its folder):
+    the tasks earlier calls wrote for the same checkpoint stay, a task run again replaces only its own entry, and
+    ``provenance`` gets each task's time and command. A file of another checkpoint, or not a results file, is
+    replaced with one note. Returns what was written."""
+    when = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    ran = [k for k in results if k not in META_KEYS]
+    with _locked(out.parent):
+        earlier = _earlier_results(out, results["checkpoint"])
+        merged = {**earlier, **results}
+        merged["plots"] = {**earlier.get("plots", {}), **results.get("plots", {})}
+        if not merged["plots"]:
+            del merged["plots"]
+        provenance = {**earlier.get("provenance", {}), **{t: {"time": when, "command": command} for t in ran}}
+        merged["provenance"] = provenance
+        atomic_write_text(out, json.dumps(json_safe(merged), indent=2, allow_nan=False) + "\n")
+    return merged
+
+
+def _earlier_results(out: Path, checkpoint: str) -> dict:
+    """What earlier calls wrote to ``out`` for ``checkpoint``; {} when there is nothing to keep."""
+    if not out.exists():
+        return {}
+    try:
+        earlier = json.loads(out.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"note: {out}: not a results file ({_first_line(exc)}); replaced", file=sys.stderr)
+        return {}
+    if not isinstance(earlier, dict) or not isinstance(earlier.get("checkpoint"), str):
+        print(f"note: {out}: not a results file (no checkpoint named); replaced", file=sys.stderr)
+        return {}
+    if Path(earlier["checkpoint"]).resolve() != Path(checkpoint).resolve():
+        print(f"note: {out} held results of {earlier['checkpoint']}; replaced", file=sys.stderr)
+        return {}
+    for key in ("plots", "provenance"):
+        if not isinstance(earlier.get(key, {}), dict):
+            earlier.pop(key)
+    return earlier
+
+
+@contextlib.contextmanager
+def _locked(folder: Path) -> Iterator[None]:
+    """An exclusive lock on ``folder``: two evaluations of one checkpoint finishing together both keep their tasks."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def _load_tokenizer(load_tokenizer: Callable[[Path], Tokenizer], path: Path, key: str) -> Tokenizer:

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core import configlib
-from core.errors import ConfigError, OneLineParser
+from core.errors import ConfigError, OneLineParser, cli_errors
 from core.files import atomic_write_text
 from pretrain.layout_plan import (  # the memory model's names are read through this module too (its tests)
     GIB,
@@ -39,7 +39,7 @@ from pretrain.layout_plan import (  # the memory model's names are read through 
     state_bytes,
     table_state_bytes,
 )
-from run.parallel import ParallelLayout, check_world_size
+from run.parallel import check_world_size
 from run.sizes import check_parameters_fit
 
 if TYPE_CHECKING:
@@ -145,6 +145,7 @@ def check_emit_path(path: Path) -> None:
         raise ConfigError(f"--emit: the folder {folder} is not writable")
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(
         name_prog=False,

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import tomli_w
 
+from core.errors import cli_errors
 from core.files import atomic_write_text
 from model.attention import registry
 from model.config import PRESETS
@@ -118,6 +119,7 @@ def derived_names() -> list[str]:
     return [f"{p}_{v}.toml" for p in SIZES for v in sorted(registry)]
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m launch.presets", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core import configlib
-from core.errors import ConfigError, OneLineParser
+from core.errors import ConfigError, OneLineParser, cli_errors
 from core.files import atomic_write_text
 
 if TYPE_CHECKING:
@@ -138,6 +138,7 @@ def render(args: argparse.Namespace, cfg: RunConfig, procs: int) -> str:
     return "\n".join(out) + "\n"
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:

@@ -13,7 +13,7 @@ import sys
 
 from core import configlib
 from core.configlib import apply_override
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors
 from model.config import model_config_from_dict
 from model.counts import count_parameters, flops_per_token, memory_estimate
 
@@ -53,6 +53,7 @@ def model_info(preset: str, overrides: list[str], *, seq_len: int = 0, micro_bat
     }
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m model.info", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

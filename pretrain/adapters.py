@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from core.configlib import tomllib  # tomli on Python 3.10
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors
 from core.files import atomic_directory
 from run import checkpoint as ckpt
 
@@ -270,6 +270,7 @@ def compare(base: str | Path, other: str | Path, *, log: Callable[[str], None] =
     return len(changed), len(shared)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.adapters", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from core.configlib import tomllib  # tomli on Python 3.10
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, require
 from core.files import atomic_directory
 from pretrain import checkpoint as ckpt
 from run.checkpoint import verify_checkpoint
@@ -159,6 +159,7 @@ def export_hf(
     return out
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pretrain.export", description=__doc__.splitlines()[0])
     src = p.add_mutually_exclusive_group(required=True)
@@ -181,6 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         "file (pretrain/adapters.py, docs/retrofit.md)",
     )
     args = p.parse_args(argv)
+    if args.format == "hf":  # first: a missing extra is known before any checkpoint is read
+        require("transformers", "--format hf")
     if args.run:
         path = ckpt.latest_checkpoint(Path(args.run))
         if path is None:

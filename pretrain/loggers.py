@@ -6,19 +6,26 @@ no literal for them; ``float()`` reads them back), here and in ``eval.run``'s re
 TensorBoard's writer and the W&B run are created on the first ``log()``, so a relaunch that has
 nothing to do (a finished run) writes no new event file and no new W&B run. W&B's mode is
 ``log.wandb`` unless the environment says otherwise: ``WANDB_MODE`` (``disabled``, ``offline``,
-``online``; ``dryrun`` = offline) or ``WANDB_DISABLED=true`` win over the config.
+``online``; ``dryrun`` = offline) or ``WANDB_DISABLED=true`` win over the config. W&B says one line, where its run
+is; ``WANDB_SILENT`` or ``WANDB_QUIET`` in the environment (``false`` for all of it) leave its output to W&B.
+
+One voice per job: under torchrun, a rank other than 0 writes its console lines and Python warnings to
+``<run.dir>/logs/rank_N.log`` (``rank_log``); errors still reach the console from every rank.
 """
 
 from __future__ import annotations
 
+import io
 import json
+import logging
 import math
 import os
 import secrets
 import sys
 import time
+import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 
 from run.config import LogConfig
 
@@ -189,7 +196,9 @@ def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config:
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if id_file.exists() else secrets.token_hex(4)
     id_file.write_text(run_id)
-    return wandb.init(
+    # W&B prints about 30 lines per run; it stays silent and we say where its run is, unless the environment asks
+    quiet = not ({"WANDB_SILENT", "WANDB_QUIET"} & os.environ.keys())
+    run = wandb.init(
         project=cfg.wandb_project,
         entity=cfg.wandb_entity or None,
         name=run_name,
@@ -198,7 +207,68 @@ def _init_wandb(run_dir: Path, cfg: LogConfig, mode: str, run_name: str, config:
         dir=str(run_dir),
         mode=cast("Literal['online', 'offline', 'disabled']", mode),  # log.wandb is checked to be one of these
         config=config,
+        settings=wandb.Settings(silent=True) if quiet else None,
     )
+    if quiet:
+        print(wandb_line(run), flush=True)
+    return run
+
+
+def wandb_line(run: Run) -> str:
+    """The one line W&B's run gets on the console: where it is."""
+    if run.offline:
+        where = run.settings.sync_dir
+        return f"wandb: offline run in {where} (upload it: wandb sync {where})"
+    return f"wandb: run at {run.url}"
+
+
+class _RankFile(io.TextIOBase):
+    """A text stream appending to ``path``, opened on the first write (a rank with nothing to say leaves no file)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._file: TextIO | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._file is None:
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a", encoding="utf-8")
+            except OSError:  # an unwritable run.dir: the run itself says so; these lines are dropped
+                self._file = open(os.devnull, "w")
+        return self._file.write(text)
+
+    def flush(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+
+
+def rank_log(run_dir: Path, rank: int) -> Path:
+    """Rank ``rank`` (not 0) of a distributed job speaks to ``<run_dir>/logs/rank_<rank>.log`` instead of the
+    console: its standard output (progress, notes), Python warnings and log records without a handler of their own.
+    Standard error stays the console's, for every rank's one-line error."""
+    path = Path(run_dir) / "logs" / f"rank_{rank}.log"
+    stream = _RankFile(path)
+    sys.stdout = stream
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        stream.write(warnings.formatwarning(message, category, filename, lineno, line))
+        stream.flush()
+
+    warnings.showwarning = show
+    logging.lastResort = logging.StreamHandler(stream)
+    logging.lastResort.setLevel(logging.WARNING)
+    return path
 
 
 def format_duration(seconds: float) -> str:

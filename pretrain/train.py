@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from core import configlib
-from core.errors import ConfigError
+from core.errors import ConfigError, cli_errors, require
 from core.files import atomic_write_text
 from pretrain.signals import PREEMPTED_MARKER, Preempted, SignalHandler
 
@@ -65,6 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@cli_errors
 def main(argv: list[str] | None = None) -> int:
     """Signals are caught for the whole process: before training has progress they stop it at once
     (exit 75, or 130 for Ctrl-C), after it they checkpoint first (pretrain.signals)."""
@@ -89,6 +90,10 @@ def main(argv: list[str] | None = None) -> int:
             if args.print_key:
                 print(_resolved(cfg, args.print_key))
                 return 0
+            if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not _is_main_rank():  # one voice per job: rank 0's
+                from pretrain.loggers import rank_log
+
+                rank_log(cfg.run_dir, int(os.environ["RANK"]))
             return _train(cfg, signals)
         except ConfigError as exc:  # a loader worker's error arrives wrapped in its traceback: its last line
             print(f"error: {str(exc).strip().splitlines()[-1]}", file=sys.stderr)
@@ -107,6 +112,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(cfg: RunConfig, signals: SignalHandler) -> int:
+    if cfg.train.engine == "deepspeed":  # the optional packages the run needs, one line each before any work
+        require("deepspeed", "train.engine = deepspeed")
+    if cfg.eval.tasks:
+        require("lm_eval", "eval.tasks")
     from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
     from pretrain.loop import Trainer
 

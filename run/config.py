@@ -270,6 +270,19 @@ class RunConfig:
     def run_dir(self) -> Path:
         return Path(self.run.dir)
 
+    def _length_message(self) -> str:
+        """data.seq_len past the model's length: the keys that change the model's length, in one line."""
+        seq, max_len = self.data.seq_len, self.model.max_seq_len
+        fix = f"raise model.max_seq_len (--set model.max_seq_len={seq})"
+        if self.model.uses_rope:
+            fix += (
+                f"; to continue a checkpoint trained at {max_len}, extend RoPE too: model.rope.scaling (yarn, linear, "
+                f"ntk, dynamic_ntk, llama3) with model.rope.factor={seq / max_len:g}, or a larger model.rope.theta"
+            )
+        else:
+            fix += " (learned positions: the new ones start untrained)"
+        return f"data.seq_len: {seq} exceeds model.max_seq_len={max_len}; {fix}"
+
     def validate(self) -> None:
         self.run.validate()
         self.model.validate()
@@ -279,7 +292,7 @@ class RunConfig:
         self.eval.validate()
         self.log.validate()
         if self.data.seq_len > self.model.max_seq_len:
-            raise ConfigError(f"data.seq_len: {self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}")
+            raise ConfigError(self._length_message())
         tokens = self.train.batch_size * self.data.seq_len
         if tokens > MAX_BATCH_TOKENS:
             raise ConfigError(

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from core.errors import ConfigError
+from core.errors import ConfigError, require
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader
@@ -73,6 +73,7 @@ DCP_METADATA_GLOBALS: dict[str, frozenset[str]] = {
 def deepspeed_globals() -> list[Any]:
     """The classes DeepSpeed's checkpoint files hold besides tensors and plain values (0.19, ZeRO 0-3):
     the stage enum and loss scaler in ``*optim_states.pt``, ZeRO 1/2's parameter fragment addresses."""
+    require("deepspeed", "a DeepSpeed checkpoint (ds/)")
     from deepspeed.runtime.fp16.loss_scaler import LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address

@@ -24,6 +24,7 @@ from tests.e2e.test_train_cli import losses, overrides, train
 TOL = 1e-5
 STEPS = 20
 HALF = 10
+WARMUP = STEPS + 5
 # One engine of each checkpoint family (DDP's whole state, FSDP2's DCP shards, ZeRO-3's partitions). Every engine
 # option (HSDP, ZeRO 1 and 2, activation checkpointing) is compared with the single-process run for every variant
 # by tests/e2e/test_matrix.py (6 steps, resume within one launch); here 20 steps and resumes across real restarts.
@@ -42,7 +43,8 @@ def config(run_dir: Path, cache_dir: Path, **extra) -> list[str]:
             "train.batch_size": 8,
             "train.micro_batch_size": 0,
             "train.max_steps": STEPS,
-            "train.warmup_steps": 2,
+            # longer than the run: every launch warns once (test_one_voice_per_job counts it); the same for all runs
+            "train.warmup_steps": WARMUP,
             "train.log_every": 1,
             "checkpoint.every": HALF,
             "eval.every": HALF,
@@ -77,6 +79,7 @@ def engine_runs(tmp_path_factory, cache_dir, single) -> dict[str, Path]:
         run_dir = tmp_path_factory.mktemp(label) / "run"
         proc = torchrun(2, config(run_dir, cache_dir, **extra))
         assert proc.returncode == 0, why(proc)
+        (run_dir.parent / "console.txt").write_text(proc.stdout + proc.stderr)  # what the job printed, every rank
         runs[label] = run_dir
     return runs
 
@@ -140,6 +143,21 @@ def test_fsdp2_saved_by_two_processes_resumes_on_one(engine_runs, tmp_path, cach
     assert second.returncode == 0, why(second)
     assert "resumed from" in second.stdout
     assert_close(all_losses(run_dir), all_losses(engine_runs["fsdp2"]), steps=range(HALF + 1, STEPS + 1))
+
+
+@pytest.mark.parametrize("label", list(ENGINES))
+def test_one_voice_per_job(engine_runs, label):
+    """Under a 2-process torchrun the console has one copy of each warning and progress line (rank 0's); rank 1's
+    copies are in its file, runs/.../logs/rank_1.log (issue 40: every warning was printed once per rank)."""
+    needs(label)
+    run = engine_runs[label]
+    console = (run.parent / "console.txt").read_text()
+    warning = f"warning: train.warmup_steps={WARMUP} exceeds train.max_steps={STEPS}"
+    assert console.count(warning) == 1, console[-3000:]
+    saved = f"checkpoint saved: {run / 'checkpoints' / f'step_{HALF:08d}'}"
+    assert console.count(saved) == 1, console[-3000:]
+    assert warning in (run / "logs" / "rank_1.log").read_text()
+    assert not (run / "logs" / "rank_0.log").exists()
 
 
 def test_data_parallel_engine_errors(tmp_path, cache_dir):

@@ -162,3 +162,65 @@ def test_readme_demo_runs_with_the_base_install_only(fresh_env, tmp_path):
     results = json.loads(next((run_dir / "eval").glob("*.json")).read_text())
     assert results["ppl"]["perplexity"] > 1 and results["sample"]["text"]
     assert (run_dir / "eval").glob("*.png"), "the loss-curve plot is part of the demo path"
+
+
+# What each journey's command says on a machine without its extra: (module, argv, the extra named). {tmp} is a
+# scratch folder; the argv need no trained run (each CLI checks for its optional package before reading one).
+TINY = str(REPO / "launch" / "configs" / "tiny.toml")
+WITHOUT_EXTRA = [
+    ("pretrain.export", ["--run", "{tmp}/run", "--format", "hf", "--out", "{tmp}/hf"], "hf"),
+    ("data.tokenizer", ["encode", "--tokenizer", "{tmp}/slow_tokenizer", "--text", "hi"], "hf"),
+    ("eval.run", ["--run", "{tmp}/run", "--tasks", "ppl,hellaswag"], "eval"),
+    ("eval.lm_eval", ["--model", "focused", "--tasks", "hellaswag"], "eval"),
+    ("pretrain.train", ["--config", TINY, "--set", "train.engine=deepspeed"], "deepspeed"),
+    ("pretrain.train", ["--config", TINY, "--set", 'eval.tasks=["hellaswag"]'], "eval"),
+    (
+        "pretrain.train",
+        ["--config", TINY, "--set", "model.attention.full.backend=flash_attn"],
+        "flash",
+    ),
+]
+
+# Every command above in one interpreter (one start-up of torch, not seven), each through its module's main(argv): the
+# `python -m` entry point of every CLI is `sys.exit(main())`, so exit code and stderr are what a user sees.
+DRIVER = """
+import contextlib, importlib, io, json, sys
+
+out = []
+for module, argv in json.loads(sys.argv[1]):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = importlib.import_module(module).main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException as exc:
+            code = f"{type(exc).__name__}: {exc}"
+    out.append([code, err.getvalue()])
+print(json.dumps(out))
+"""
+
+
+def test_each_journey_without_its_extra_is_one_line_naming_it(fresh_env, tmp_path):
+    """Every optional package of setup.cfg's extras hidden (as on a base install): each journey's command exits 2
+    with one line naming the extra that brings what it needs."""
+    slow = tmp_path / "slow_tokenizer"  # a folder only transformers converts (GPT-2's vocab.json + merges.txt)
+    slow.mkdir()
+    (slow / "vocab.json").write_text('{"a": 0}')
+    (slow / "merges.txt").write_text("#version: 0.2\n")
+    (tmp_path / "home" / "eval_data").mkdir()
+    fresh_env["FOCUSED_PRETRAIN_EVAL_DATA"] = str(tmp_path / "home" / "eval_data")
+    fresh_env["WANDB_MODE"] = "disabled"
+    calls = [[module, [a.format(tmp=tmp_path) for a in argv]] for module, argv, _ in WITHOUT_EXTRA]
+    for call in calls:
+        if call[0] == "pretrain.train":
+            call[1] += ["--set", f"run.dir={tmp_path / 'runs' / 'x'}"]
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps(calls)], cwd=tmp_path, env=fresh_env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for (module, argv, extra), (code, err) in zip(WITHOUT_EXTRA, json.loads(proc.stdout.splitlines()[-1])):
+        lines = err.strip().splitlines()
+        assert code == 2 and len(lines) == 1, (module, argv, code, err[-2000:])
+        assert lines[0].startswith("error: ") and f"pip install -e '.[{extra}]'" in lines[0], (module, lines)
+    assert not (tmp_path / "runs").exists(), "no run directory is made before the extra is found missing"

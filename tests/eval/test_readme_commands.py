@@ -139,3 +139,23 @@ def test_results_of_the_tasks_that_ran_are_written_when_a_later_one_fails(root, 
     assert "error: --prompt: broken on purpose" in err and "results of the tasks that ran written" in err
     results = json.loads((root / "partial.json").read_text())
     assert results["ppl"]["loss"] > 0 and "sample" not in results
+
+
+def test_two_calls_with_different_tasks_on_one_checkpoint_keep_both(root, monkeypatch, capfd):
+    """The README's evaluation lines run in order keep every line's results (issue 40): the step's file gains each
+    call's tasks, and a task run again replaces only its own entry, with the command it ran under."""
+    from eval import run
+
+    monkeypatch.chdir(root)
+    out = root / "accumulate.json"
+    first = ["--run", "runs/tiny", "--tasks", "ppl", "--out", str(out), "--limit", "2"]
+    second = ["--run", "runs/tiny", "--tasks", "sample", "--out", str(out), "--max-new-tokens", "2"]
+    assert run.main(first) == 0 and run.main(second) == 0
+    results = json.loads(out.read_text())
+    assert results["ppl"]["loss"] > 0 and 0 < results["sample"]["tokens"] <= 2, results
+    assert results["provenance"]["ppl"]["command"] == shlex.join(["python", "-m", "eval.run", *first])
+    assert run.main([*second[:-1], "3"]) == 0
+    again = json.loads(out.read_text())
+    assert again["ppl"] == results["ppl"] and 0 < again["sample"]["tokens"] <= 3
+    assert again["provenance"]["ppl"] == results["provenance"]["ppl"]
+    assert again["provenance"]["sample"]["command"].endswith("--max-new-tokens 3")

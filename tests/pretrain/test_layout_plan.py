@@ -140,3 +140,36 @@ def test_the_fused_head_counts_a_chunk_of_logits_not_the_whole_batchs():
     tokens, d = 8 * 4096, cfg.model.d_model
     chunk = default_chunk(tokens, vocab)  # 8192 tokens at V = 32000: a quarter of the batch's logits
     assert w_plain - w_fused == tokens * vocab * 6 - (chunk * vocab * 6 + 2 * (tokens + vocab) * d) > 0
+
+
+def readme_plan_command() -> list[str]:
+    """The README's one-line ``python -m launch.plan`` command (a 7B model at 32K on 64 GPUs), as argv."""
+    import re
+    import shlex
+
+    from tests.conftest import REPO
+
+    lines = [
+        line
+        for block in re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+        for line in block.splitlines()
+        if line.startswith("python -m launch.plan ")
+    ]
+    assert len(lines) == 1, lines
+    return shlex.split(lines[0])[3:]
+
+
+def test_the_readme_plans_a_7b_model_at_32k_on_64_gpus_and_picks_the_shipped_config(capsys):
+    argv = readme_plan_command()
+    assert "--gpus" in argv and argv[argv.index("--gpus") + 1] == "64" and "data.seq_len=32768" in argv
+    assert planner.main(argv) == 0
+    picked = capsys.readouterr().out.strip().splitlines()[-1]
+    assert picked.startswith("picked ") and picked in (CONFIG_DIR / "llama-7b-32k.toml").read_text()
+
+
+def test_a_length_past_the_model_names_the_keys_that_change_it(capsys):
+    argv = ["--config", str(CONFIG_DIR / "llama-7b.toml"), "--gpus", "64", "--gpu-memory", "80GiB"]
+    assert planner.main([*argv, "--set", "data.seq_len=32768"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: data.seq_len: 32768 exceeds model.max_seq_len=2048")
+    assert "--set model.max_seq_len=32768" in err and "model.rope.scaling" in err and "model.rope.factor=16" in err

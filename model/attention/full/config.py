@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from core.errors import ConfigError, check_choice
+from core.errors import check_choice, missing_extra
 from model.attention.common.base import VariantConfig
 
 BACKENDS = ("auto", "sdpa", "flash_attn")
@@ -20,4 +20,4 @@ class FullConfig(VariantConfig):
     def validate(self, prefix: str) -> None:
         check_choice(prefix + "backend", self.backend, BACKENDS)
         if self.backend == "flash_attn" and not HAS_FLASH_ATTN:
-            raise ConfigError(f"{prefix}backend: flash_attn is not installed (pip install '.[flash]')")
+            raise missing_extra("flash_attn", f"{prefix}backend = flash_attn")
