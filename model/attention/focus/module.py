@@ -33,6 +33,7 @@ from model.attention.focus.soft.cpu import cpu_soft_attention, soft_dtypes
 from model.attention.focus.soft.flex import flex_soft_attention
 
 STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
+FLEX_DECODE_ROWS = 128  # FlexAttention's decoding kernel takes fewer query rows (torch's _use_flex_decoding)
 STATS_BLOCK = 1 << 18  # (query row, key) pairs of the pair statistics computed at once
 
 
@@ -248,6 +249,14 @@ class FocusAttention(Attention):
             return False
         return q.is_cuda or (gpu_paths_active(q) and q.device.type == "cpu" and soft_triton.interpreting())
 
+    def _soft_takes_triton(self, q: Tensor) -> bool:
+        """The soft call's kernel: Triton where it runs (``soft_triton_supports``), except a short query chunk of
+        inference (decode) where FlexAttention runs too: its split-KV decoding kernel (queries < 128) spreads one
+        query's keys over many programs, where the Triton forward walks them in one program per head."""
+        if not self.soft_triton_supports(q):
+            return False
+        return q.shape[2] >= FLEX_DECODE_ROWS or torch.is_grad_enabled() or not flex_supports(q)
+
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
     ) -> AttnOut:
@@ -291,7 +300,7 @@ class FocusAttention(Attention):
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
             out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
-        elif self.soft_triton_supports(q):
+        elif self._soft_takes_triton(q):
             # queries at the last Tq positions of the keys (the base class's protocol: training, prefill, decode, CP)
             cfg = self.cfg
             out = soft_triton.triton_soft_attention(

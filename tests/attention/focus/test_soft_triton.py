@@ -225,9 +225,10 @@ def test_backward_has_no_atomics():
 
 @parent
 def test_path_choice():
-    """CUDA tensors take the Triton op where triton imports; CPU tensors only with the interpreter on inside
-    ``gpu_paths_forced`` (without it the compile tests trace FlexAttention); ``soft_kernel = "flex"`` opts out; the
-    op is one of the variant's attention ops (selective activation checkpointing keeps its output)."""
+    """CUDA tensors take the Triton op where triton imports, but for inference on fewer than 128 query rows; CPU
+    tensors only with the interpreter on inside ``gpu_paths_forced`` (without it the compile tests trace
+    FlexAttention); ``soft_kernel = "flex"`` opts out; the op is one of the variant's attention ops (selective
+    activation checkpointing keeps its output)."""
     module = focus_module("additive").float()
     q = torch.zeros(1, 4, 16, 16)
     assert not module.soft_triton_supports(q)
@@ -235,6 +236,11 @@ def test_path_choice():
         assert not module.soft_triton_supports(q)
     cuda_q = q.to("meta").as_subclass(_Cuda)
     assert module.soft_triton_supports(cuda_q) == soft_triton.available()
+    assert module._soft_takes_triton(cuda_q) == soft_triton.available()
+    with torch.no_grad():  # inference on a short query chunk (decode): FlexAttention's split-KV decoding kernel
+        assert not module._soft_takes_triton(cuda_q)
+        long_q = torch.zeros(1, 4, 128, 16, device="meta").as_subclass(_Cuda)
+        assert module._soft_takes_triton(long_q) == soft_triton.available()
     module.soft_kernel = "flex"
     assert not module.soft_triton_supports(cuda_q)
     assert torch.ops.focus_triton.soft_forward.default in type(module).attention_ops()
