@@ -29,10 +29,12 @@ from model.attention.focus.hard.decode_device import device_decode_step
 from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.focus.soft import triton as soft_triton
 from model.attention.focus.soft.cpu import cpu_soft_attention, soft_dtypes
 from model.attention.focus.soft.flex import flex_soft_attention
 
 STATS_ROWS = 256  # query rows sampled for pair statistics (gate on distant pairs, pairs kept)
+FLEX_DECODE_ROWS = 128  # FlexAttention's decoding kernel takes fewer query rows (torch's _use_flex_decoding)
 STATS_BLOCK = 1 << 18  # (query row, key) pairs of the pair statistics computed at once
 
 
@@ -96,6 +98,11 @@ class FocusAttention(Attention):
     no_weight_decay = ("centroids",)
     uses_reference_batch = True  # assignment stability is measured on a fixed batch
 
+    @classmethod
+    def attention_ops(cls) -> tuple[Any, ...]:
+        """The soft mode's fused Triton forward too: selective activation checkpointing keeps its outputs."""
+        return (*super().attention_ops(), torch.ops.focus_triton.soft_forward.default)
+
     def __init__(self, cfg: FocusConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
         self.d_group = cfg.d_group or spec.d_model
@@ -109,6 +116,9 @@ class FocusAttention(Attention):
             self.register_buffer("lam", lam)  # scheduled: saved with the weights, set by the trainer
         self.reference_batch = False  # set for the trainer's fixed-batch pass (stability only)
         self.backbone_trains = False  # set_backbone_trains (the trainer); on its own a module is in the centroid phase
+        # soft mode's GPU kernel: "auto" = the Triton kernels where they run (soft/triton.py), else FlexAttention
+        # (soft/flex.py); "flex" = FlexAttention always (comparisons, debugging)
+        self.soft_kernel = "auto"
         self._previous_groups: Tensor | None = None
         self.reset_parameters()
 
@@ -243,7 +253,23 @@ class FocusAttention(Attention):
             return True  # the exact decomposition runs on any device
         # the CPU blockwise path not while torch.compile traces (compile on CPU: the reference, as before it)
         cpu = q.device.type == "cpu" and not torch.compiler.is_compiling()
-        return flex_supports(q) or (cpu and q.dtype in soft_dtypes())
+        return self.soft_triton_supports(q) or flex_supports(q) or (cpu and q.dtype in soft_dtypes())
+
+    def soft_triton_supports(self, q: Tensor) -> bool:
+        """Whether the soft mode takes the Triton kernels (``soft/triton.py``): CUDA tensors where triton imports;
+        CPU tensors only inside ``gpu_paths_forced`` while Triton's interpreter is on (the tests: elsewhere CPU
+        tensors under ``gpu_paths_forced`` trace the FlexAttention path, as the compile tests do)."""
+        if self.soft_kernel == "flex" or q.dtype not in soft_triton.kernel_dtypes() or not soft_triton.available():
+            return False
+        return q.is_cuda or (gpu_paths_active(q) and q.device.type == "cpu" and soft_triton.interpreting())
+
+    def _soft_takes_triton(self, q: Tensor) -> bool:
+        """The soft call's kernel: Triton where it runs (``soft_triton_supports``), except a short query chunk of
+        inference (decode) where FlexAttention runs too: its split-KV decoding kernel (queries < 128) spreads one
+        query's keys over many programs, where the Triton forward walks them in one program per head."""
+        if not self.soft_triton_supports(q):
+            return False
+        return q.shape[2] >= FLEX_DECODE_ROWS or torch.is_grad_enabled() or not flex_supports(q)
 
     def fast(
         self, q: Tensor, k: Tensor, v: Tensor, *, hidden: Tensor, q_pos: Tensor, k_pos: Tensor, cache: KVCache | None
@@ -291,6 +317,12 @@ class FocusAttention(Attention):
         if self.cfg.mode == "hard":
             bits_q, bits_k = self._memberships(g_q, g_k, cache)
             out = self.hard_fast(q, k, v, bits_q, bits_k, q_pos, cache)
+        elif self._soft_takes_triton(q):
+            # queries at the last Tq positions of the keys (the base class's protocol: training, prefill, decode, CP)
+            cfg = self.cfg
+            out = soft_triton.triton_soft_attention(
+                q, k, v, g_q, g_k, self.lam, window=cfg.window, scale=self._scale(), gate=cfg.gate
+            )
         elif flex_supports(q):
             cfg = self.cfg
             out = flex_soft_attention(
