@@ -2,12 +2,13 @@
 
 Every registered variant, in every suite configuration, names the calls of its GPU path (``Attention.gpu_paths``;
 default: the training forward). On CPU, inside ``flex.gpu_paths_forced()`` (``flex_supports`` answers as on CUDA, so
-the variant takes its FlexAttention path, run eagerly), each call is compiled with ``fullgraph=True``: no graph break
-(a break is a host synchronisation or an untraceable step on the GPU, and splits the compiled graph; a separate
-``torch._dynamo.explain`` pass said the same at twice the cost), and three lengths compile at most twice (the first
-length static, then one dynamic-shape graph: automatic dynamic shapes). Inputs do not require grad here; the whole
-block's forward and backward are traced by tests/attention/test_compiled_block.py. A variant added to the registry
-is covered without edits.
+the variant takes its FlexAttention path, run eagerly), each call is compiled with ``fullgraph=True`` under dynamo's
+``eager`` backend (graph breaks and recompiles are dynamo's decisions, whatever the backend): no graph break (a break
+is a host synchronisation or an untraceable step on the GPU, and splits the compiled graph), and three lengths compile
+at most twice (the first length static, then one dynamic-shape graph: automatic dynamic shapes); values equal the
+eager call at the last length. Inputs do not require grad here; the whole block's forward and backward, AOT-traced
+and searched for host synchronisations, are tests/attention/test_compiled_block.py's. A variant added to the
+registry is covered without edits.
 """
 
 from __future__ import annotations
@@ -69,13 +70,14 @@ def gpu_paths(name: str, case) -> dict:
 def test_gpu_path_compiles_whole_and_lengths_do_not_recompile(name, case):
     for path, fn in gpu_paths(name, case).items():
         torch._dynamo.reset()
-        counter = torch._dynamo.testing.CompileCounterWithBackend("aot_eager")
+        counter = torch._dynamo.testing.CompileCounterWithBackend("eager")
         compiled = torch.compile(fn, backend=counter, fullgraph=True)
         with gpu_paths_forced():
             for t in LENGTHS:
                 x = inputs(t, seed=t)
-                got, want = compiled(*x), fn(*x)
-                for a, b in zip(got, want):
-                    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+                got = compiled(*x)
+            # values once, at the last length (the dynamic-shape graph): the eager backend runs the traced ops
+            for a, b in zip(got, fn(*x)):
+                torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
         assert counter.frame_count <= COMPILES_ALLOWED, f"{name} {path}: {counter.frame_count} compiles for {LENGTHS}"
     torch._dynamo.reset()
