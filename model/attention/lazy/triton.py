@@ -34,12 +34,22 @@ ops ``lazy_triton::forward`` / ``lazy_triton::backward`` so a compiled block tra
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+
+from model.attention.common.triton import (
+    acc_dtype,
+    interpreting,
+    jit_kernels,
+    last_contiguous,
+    padded,
+    precision,
+    strides,
+    warps,
+)
+from model.attention.common.triton import available as available  # the module's own question too
 
 if TYPE_CHECKING:
     import triton.language as tl
@@ -51,14 +61,6 @@ else:
 
 BLOCK = 64  # positions per query / key block on the GPU
 INTERPRET_BLOCK = 16  # under TRITON_INTERPRET (tests): small tiles keep the interpreter fast
-
-
-def available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -285,22 +287,8 @@ _LAUNCHED = ("_fwd_kernel", "_dq_kernel", "_dkv_kernel", "_dbias_kernel")
 
 
 def _kernels() -> dict[str, Any]:
-    """The kernels, jitted once per interpreter mode (the mode is fixed when a function is jitted)."""
-    mode = interpreting()
-    if mode not in _KERNELS:
-        import triton
-
-        jitted = {}
-        namespace = dict(globals())
-        for name in _HELPERS + _LAUNCHED:
-            fn = globals()[name]
-            # a fresh function over a namespace whose helper names are the jitted helpers of this mode
-            copy = type(fn)(fn.__code__, namespace, name, fn.__defaults__, fn.__closure__)
-            copy.__annotations__ = fn.__annotations__
-            copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-            jitted[name] = namespace[name] = triton.jit(copy)
-        _KERNELS[mode] = jitted
-    return _KERNELS[mode]
+    """The kernels, jitted once per interpreter mode."""
+    return jit_kernels(globals(), _HELPERS + _LAUNCHED, _KERNELS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -312,27 +300,7 @@ def _geometry(q: Tensor, k: Tensor, block: int) -> tuple[int, int, int, int, int
     tk = k.shape[2]
     p = tk - tq
     n_rows = -(-(p + tq) // block) - p // block  # query blocks, aligned to positions
-    return p, n_rows, -(-tk // block), max(16, 1 << (dim - 1).bit_length()), hq // k.shape[1]
-
-
-def _strides(*tensors: Tensor) -> list[int]:
-    return [s for t in tensors for s in t.stride()[:3]]
-
-
-def _precision(q: Tensor) -> str:
-    return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-
-
-def _warps(bd: int) -> int:
-    return 4 if bd <= 64 else 8  # registers for the [BLOCK, 128] float32 accumulators (o, a); to tune on the GPU
-
-
-def _acc_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _last_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
+    return p, n_rows, -(-tk // block), padded(dim), hq // k.shape[1]
 
 
 @torch.library.custom_op("lazy_triton::forward", mutates_args=())
@@ -340,24 +308,24 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, scale: float, last: int, block: int
 ) -> tuple[Tensor, Tensor, Tensor]:
     """(out, lse, a) in the accumulator dtype; out and a are [B, H, Tq, D], lse [B, H, Tq]."""
-    q, k, v, bias = (_last_contiguous(x) for x in (q, k, v, bias))
+    q, k, v, bias = (last_contiguous(x) for x in (q, k, v, bias))
     batch, hq, tq, dim = q.shape
     p, n_rows, _, bd, group = _geometry(q, k, block)
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     out = torch.empty(batch, hq, tq, dim, dtype=acc, device=q.device)
     a = torch.empty_like(out)
     lse = torch.empty(batch, hq, tq, dtype=acc, device=q.device)
     _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
-        q, k, v, bias, tau, out, lse, a, *_strides(q, k, v), bias.stride(0),
+        q, k, v, bias, tau, out, lse, a, *strides(q, k, v), bias.stride(0),
         scale, p, tq, k.shape[2], last, hq, group, dim,
-        BLOCK=block, BD=bd, PREC=_precision(q), num_warps=_warps(bd),
+        BLOCK=block, BD=bd, PREC=precision(q), num_warps=warps(bd),
     )  # fmt: skip
     return out, lse, a
 
 
 @_forward_op.register_fake
 def _(q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, scale: float, last: int, block: int) -> Any:
-    out = q.new_empty(q.shape, dtype=_acc_dtype(q))
+    out = q.new_empty(q.shape, dtype=acc_dtype(q))
     return out, q.new_empty(q.shape[:3], dtype=out.dtype), torch.empty_like(out)
 
 
@@ -367,10 +335,10 @@ def _backward_op(
     scale: float, last: int, block: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk, dv, d bias, d tau."""
-    q, k, v, bias = (_last_contiguous(x) for x in (q, k, v, bias))
+    q, k, v, bias = (last_contiguous(x) for x in (q, k, v, bias))
     batch, hq, tq, dim = q.shape
     p, n_rows, n_keys, bd, group = _geometry(q, k, block)
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     do = grad.to(acc).contiguous()
     n = torch.arange(p + 1, p + tq + 1, device=q.device, dtype=acc)
     c = tau.to(acc)[None, :, None] / n
@@ -381,8 +349,8 @@ def _backward_op(
     dv = torch.empty(v.shape, dtype=acc, device=q.device)
     n_diag = -(-(p + tq) // block)  # block diagonals e = I - J with a visible pair
     partials = torch.empty(hq, n_diag, block, block, dtype=acc, device=q.device)
-    common = (*_strides(q, k, v), bias.stride(0), scale, p, tq, k.shape[2], last, hq, group, dim)
-    meta = dict(BLOCK=block, BD=bd, PREC=_precision(q), num_warps=_warps(bd))
+    common = (*strides(q, k, v), bias.stride(0), scale, p, tq, k.shape[2], last, hq, group, dim)
+    meta = dict(BLOCK=block, BD=bd, PREC=precision(q), num_warps=warps(bd))
     kernels = _kernels()
     kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, bias, tau, do, lse, delta, dq, *common, **meta)
     kernels["_dkv_kernel"][(n_keys, batch * k.shape[1])](q, k, v, bias, tau, do, lse, delta, dk, dv, *common, **meta)
@@ -397,7 +365,7 @@ def _(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, bias: Tensor, tau: Tensor, out: Tensor, lse: Tensor, a: Tensor,
     scale: float, last: int, block: int,
 ) -> Any:  # fmt: skip
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     return (q.new_empty(q.shape, dtype=acc), q.new_empty(k.shape, dtype=acc), q.new_empty(v.shape, dtype=acc),
             q.new_empty(bias.shape, dtype=acc), q.new_empty(tau.shape, dtype=acc))  # fmt: skip
 

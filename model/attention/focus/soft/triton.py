@@ -31,13 +31,22 @@ opaque node each in a compiled block.
 
 from __future__ import annotations
 
-import importlib.util
-import os
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
+from model.attention.common.triton import (
+    acc_dtype,
+    interpreting,
+    jit_kernels,
+    last_contiguous,
+    padded,
+    precision,
+    strides,
+    warps,
+)
+from model.attention.common.triton import available as available  # the module's own question too
 from model.attention.focus.soft.flex import fold_gate
 
 if TYPE_CHECKING:
@@ -50,17 +59,6 @@ else:
 
 BLOCK = 64  # positions per query / key block on the GPU
 INTERPRET_BLOCK = 16  # under TRITON_INTERPRET (tests): small tiles keep the interpreter fast
-
-
-_AVAILABLE = importlib.util.find_spec("triton") is not None  # once: a compiled block's trace reads it
-
-
-def available() -> bool:
-    return _AVAILABLE
-
-
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:
@@ -255,22 +253,8 @@ _LAUNCHED = ("_fwd_kernel", "_dq_kernel", "_dkv_kernel")
 
 
 def _kernels() -> dict[str, Any]:
-    """The kernels, jitted once per interpreter mode (the mode is fixed when a function is jitted)."""
-    mode = interpreting()
-    if mode not in _KERNELS:
-        import triton
-
-        jitted = {}
-        namespace = dict(globals())
-        for name in _HELPERS + _LAUNCHED:
-            fn = globals()[name]
-            # a fresh function over a namespace whose helper names are the jitted helpers of this mode
-            copy = type(fn)(fn.__code__, namespace, name, fn.__defaults__, fn.__closure__)
-            copy.__annotations__ = fn.__annotations__
-            copy.__module__, copy.__qualname__, copy.__doc__ = fn.__module__, fn.__qualname__, fn.__doc__
-            jitted[name] = namespace[name] = triton.jit(copy)
-        _KERNELS[mode] = jitted
-    return _KERNELS[mode]
+    """The kernels, jitted once per interpreter mode."""
+    return jit_kernels(globals(), _HELPERS + _LAUNCHED, _KERNELS)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -283,29 +267,9 @@ def _geometry(q: Tensor, k: Tensor, a_q: Tensor, block: int) -> tuple[int, int, 
     tk = k.shape[2]
     p = tk - tq
     n_rows = -(-(p + tq) // block) - p // block  # query blocks, aligned to positions
-    bd = max(16, 1 << (dim - 1).bit_length())
-    kp = max(16, 1 << (a_q.shape[-1] - 1).bit_length())
+    bd = padded(dim)
+    kp = padded(a_q.shape[-1])
     return p, n_rows, -(-tk // block), bd, kp, q.shape[1] // k.shape[1]
-
-
-def _strides(*tensors: Tensor) -> list[int]:
-    return [s for t in tensors for s in t.stride()[:3]]
-
-
-def _precision(q: Tensor) -> str:
-    return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
-
-
-def _warps(bd: int) -> int:
-    return 4 if bd <= 64 else 8  # to tune on the GPU
-
-
-def _acc_dtype(q: Tensor) -> torch.dtype:
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _last_contiguous(x: Tensor) -> Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.library.custom_op("focus_triton::soft_forward", mutates_args=())
@@ -313,16 +277,16 @@ def _forward_op(
     q: Tensor, k: Tensor, v: Tensor, a_q: Tensor, a_k: Tensor, scale: float, window: int, additive: bool, block: int
 ) -> tuple[Tensor, Tensor]:
     """(out [B, H, Tq, D] in q's dtype, lse [B, H, Tq] in the accumulator dtype)."""
-    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_contiguous(x) for x in (q, k, v))
     a_q, a_k = a_q.contiguous(), a_k.contiguous()
     batch, hq, tq, dim = q.shape
     p, n_rows, _, bd, kp, group = _geometry(q, k, a_q, block)
     out = torch.empty(batch, hq, tq, dim, dtype=q.dtype, device=q.device)
-    lse = torch.empty(batch, hq, tq, dtype=_acc_dtype(q), device=q.device)
+    lse = torch.empty(batch, hq, tq, dtype=acc_dtype(q), device=q.device)
     _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
-        q, k, v, a_q, a_k, out, lse, *_strides(q, k, v),
+        q, k, v, a_q, a_k, out, lse, *strides(q, k, v),
         scale, window, p, tq, k.shape[2], hq, group, dim, a_q.shape[-1],
-        ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=_precision(q), num_warps=_warps(bd),
+        ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=precision(q), num_warps=warps(bd),
     )  # fmt: skip
     return out, lse
 
@@ -331,7 +295,7 @@ def _forward_op(
 def _(
     q: Tensor, k: Tensor, v: Tensor, a_q: Tensor, a_k: Tensor, scale: float, window: int, additive: bool, block: int
 ) -> Any:
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_acc_dtype(q))
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=acc_dtype(q))
 
 
 @torch.library.custom_op("focus_triton::soft_backward", mutates_args=())
@@ -340,12 +304,12 @@ def _backward_op(
     scale: float, window: int, additive: bool, block: int,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
     """dq, dk, dv (accumulator dtype), d a_q [B, Tq, K'], d a_k [B, Tk, K'] (a_q's dtype)."""
-    q, k, v = (_last_contiguous(x) for x in (q, k, v))
+    q, k, v = (last_contiguous(x) for x in (q, k, v))
     a_q, a_k = a_q.contiguous(), a_k.contiguous()
     batch, hq, tq, dim = q.shape
     hk, tk, nk = k.shape[1], k.shape[2], a_q.shape[-1]
     p, n_rows, n_keys, bd, kp, group = _geometry(q, k, a_q, block)
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     do = grad.contiguous()
     delta = (do.to(acc) * out.to(acc)).sum(-1)
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
@@ -353,8 +317,8 @@ def _backward_op(
     dv = torch.empty(v.shape, dtype=acc, device=q.device)
     daq = torch.empty(batch, hq, tq, nk, dtype=acc, device=q.device)  # per query head
     dak = torch.empty(batch, hk, tk, nk, dtype=acc, device=q.device)  # per key/value head
-    common = (*_strides(q, k, v), scale, window, p, tq, tk, hq, group, dim, nk)
-    meta = dict(ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=_precision(q), num_warps=_warps(bd))
+    common = (*strides(q, k, v), scale, window, p, tq, tk, hq, group, dim, nk)
+    meta = dict(ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=precision(q), num_warps=warps(bd))
     kernels = _kernels()
     kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, a_q, a_k, do, lse, delta, dq, daq, *common, **meta)
     kernels["_dkv_kernel"][(n_keys, batch * hk)](q, k, v, a_q, a_k, do, lse, delta, dk, dv, dak, *common, **meta)
@@ -366,7 +330,7 @@ def _(
     grad: Tensor, q: Tensor, k: Tensor, v: Tensor, a_q: Tensor, a_k: Tensor, out: Tensor, lse: Tensor,
     scale: float, window: int, additive: bool, block: int,
 ) -> Any:  # fmt: skip
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     return (q.new_empty(q.shape, dtype=acc), q.new_empty(k.shape, dtype=acc), q.new_empty(v.shape, dtype=acc),
             a_q.new_empty(a_q.shape), a_k.new_empty(a_k.shape))  # fmt: skip
 
