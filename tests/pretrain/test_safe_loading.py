@@ -376,6 +376,7 @@ def test_ddp_checkpoint_planted_distcp_entries(ddp_run, cache_dir, tmp_path):
     run_dir, checkpoint = _copy(ddp_run, tmp_path)
     shards = _shards_only(checkpoint, tmp_path)
     plant_distcp_entry(shards / "dcp", marker, tensor=True)
+    reseal_checkpoint(shards)  # the subject is the reader, not the checksum that would stop it first
     assert_cli_refused(_export(shards, tmp_path), shards / "dcp", marker)
     fqn = plant_distcp_entry(checkpoint / "dcp", marker, tensor=False)
     reseal_checkpoint(checkpoint)
