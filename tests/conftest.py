@@ -42,6 +42,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
     )
     _share_cores_between_workers(config)
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: groups start in the order collected (below)
+        config.option.loadscopereorder = False
 
 
 def _share_cores_between_workers(config: pytest.Config) -> None:
@@ -72,19 +74,48 @@ def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> N
 
 # Modules that share a session-scoped run (tests/pretrain/conftest.py's engine runs) go to one pytest-xdist worker.
 SHARED_RUNS = {"test_safe_loading.py": "engine-runs", "test_attacks.py": "engine-runs"}
+# Seconds of test time per xdist group, measured (CI command, quiet 2-core VM, 2026-11-27; docs/testing.md): the
+# groups start longest first, so the last ones to start are short and the two workers finish together (pytest-xdist
+# orders groups by their number of tests, which put a few long launch modules last: about 80 s of one idle worker).
+# A group not listed starts after these, in collection order; the figures need only be roughly right.
+MEASURED_SECONDS = {
+    "tests/e2e/test_matrix.py": 290,
+    "engine-runs": 250,
+    "tests/e2e/test_tensor_parallel.py": 200,
+    "tests/e2e/test_train_cli.py": 140,
+    "tests/e2e/test_recipes.py": 140,
+    "tests/e2e/test_launch_configs.py": 130,
+    "tests/e2e/test_distributed.py": 120,
+    "tests/mutations/test_mutations.py": 95,
+    "tests/e2e/test_slurm.py": 80,
+    "tests/interop/test_hf.py": 70,
+    "tests/attention/test_compile_clean.py": 65,
+    "tests/e2e/test_stalled_rank.py": 65,
+    "tests/attention/focus/test_hard.py": 60,
+    "tests/interop/test_lm_eval.py": 60,
+    "tests/attention/test_compiled_block.py": 55,
+    "tests/e2e/test_data_cli.py": 50,
+    "tests/e2e/test_retrofit.py": 50,
+    "tests/e2e/test_cp_memory.py": 40,
+    "tests/e2e/test_fresh_install.py": 35,
+}
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (the README's test command: ``-n 2 --dist loadgroup``) a module's tests go to one worker
     together, so a launch that a module-scoped fixture shares runs once: each test gets its module as its
-    ``xdist_group`` (tryfirst: before xdist reads the marks). Without ``-n`` the marks do nothing."""
+    ``xdist_group`` (tryfirst: before xdist reads the marks), and the groups start longest first
+    (``MEASURED_SECONDS``). Without ``-n`` the marks do nothing."""
     _deselect_long_context(config, items)
+    groups = {}
     for item in items:
         group = SHARED_RUNS.get(item.path.name) or (
             str(item.path.relative_to(REPO)) if item.path.is_relative_to(REPO) else str(item.path)
         )
         item.add_marker(pytest.mark.xdist_group(group))
+        groups[item] = group
+    items.sort(key=lambda item: -MEASURED_SECONDS.get(groups[item], 0))  # stable: a module's tests stay in order
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

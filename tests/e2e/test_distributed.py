@@ -1,10 +1,10 @@
 """Data-parallel engines (ddp, fsdp2, DeepSpeed ZeRO-3) on CPU, gloo, 2 processes under
-torchrun (launch/torchrun.sh), against the single-process run of the same config over 20
+torchrun (launch/torchrun.sh), against the single-process run of the same config over 10
 steps: same per-step losses, exact resume, and an FSDP2 run saved by 2 processes resumed by 1
 (DCP reshards).
 
 Tolerance: |loss difference| <= 1e-5 (fp32). The global batch and its sequences are the same;
-only the reduction order of gradients and losses differs between engines (measured: at most 9.5e-7 over the 20 steps).
+only the reduction order of gradients and losses differs between engines (measured: at most 9.5e-7 over 20 steps).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, torchrun, why
 from tests.e2e.test_train_cli import losses, overrides, train
 
 TOL = 1e-5
-STEPS = 20
-HALF = 10
+STEPS = 10  # 20 until 2026-11-27: the parity held to 9.5e-7 over 20; half the launch time for CI (issue 39)
+HALF = 5
 WARMUP = STEPS + 5
 # One engine of each checkpoint family (DDP's whole state, FSDP2's DCP shards, ZeRO-3's partitions). Every engine
 # option (HSDP, ZeRO 1 and 2, activation checkpointing) is compared with the single-process run for every variant
-# by tests/e2e/test_matrix.py (6 steps, resume within one launch); here 20 steps and resumes across real restarts.
+# by tests/e2e/test_matrix.py (6 steps, resume within one launch); here 10 steps and resumes across real restarts.
 ENGINES = {  # label -> overrides
     "ddp": {"train.engine": "ddp"},
     "fsdp2": {"train.engine": "fsdp2"},
