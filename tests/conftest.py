@@ -79,13 +79,13 @@ SHARED_RUNS = {"test_safe_loading.py": "engine-runs", "test_attacks.py": "engine
 # orders groups by their number of tests, which put a few long launch modules last: about 80 s of one idle worker).
 # A group not listed starts after these, in collection order; the figures need only be roughly right.
 MEASURED_SECONDS = {
-    "tests/e2e/test_matrix.py": 290,
-    "engine-runs": 250,
-    "tests/e2e/test_tensor_parallel.py": 200,
-    "tests/e2e/test_train_cli.py": 140,
-    "tests/e2e/test_recipes.py": 140,
-    "tests/e2e/test_launch_configs.py": 130,
+    "tests/e2e/test_matrix.py": 250,
+    "tests/e2e/test_tensor_parallel.py": 210,
+    "engine-runs": 190,
+    "tests/e2e/test_train_cli.py": 130,
     "tests/e2e/test_distributed.py": 120,
+    "tests/e2e/test_recipes.py": 115,
+    "tests/e2e/test_launch_configs.py": 115,
     "tests/mutations/test_mutations.py": 95,
     "tests/e2e/test_slurm.py": 80,
     "tests/interop/test_hf.py": 70,

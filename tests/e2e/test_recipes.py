@@ -79,27 +79,38 @@ def _dir(root: Path, engine: str, name: str) -> Path:
     return root / engine / name
 
 
+def _runs(engine: str, root: Path, cache_dir: Path, base: Path) -> dict[str, list[str]]:
+    common = {
+        **SHAPE,
+        **ENGINE_LABELS[engine],
+        "eval.batch_size": VAL_SEQUENCES // max(_nproc(engine), 1),
+        "train.init_from": str(base),
+        "data.tokenizer": str(base / "tokenizer.model"),
+    }
+    runs = {}
+    for recipe, extra in RECIPES.items():
+        if recipe == "two_phase" and not _two_phase(engine):
+            continue
+        args = {**common, **extra}
+        runs[f"{recipe} full"] = overrides(_dir(root, engine, f"{recipe}_full"), cache_dir, **args)
+        for stop in STOPS if recipe == "two_phase" else (SWITCH,):
+            run_dir = _dir(root, engine, f"{recipe}_stop{stop}")
+            runs[f"{recipe} stop {stop}"] = overrides(run_dir, cache_dir, **args, **{"train.stop_at": stop})
+            runs[f"{recipe} resume {stop}"] = overrides(run_dir, cache_dir, **args)
+    return runs
+
+
 def _launch(engine: str, root: Path, cache_dir: Path, base: Path) -> dict[str, str]:
-    if engine not in _launches:
-        common = {
-            **SHAPE,
-            **ENGINE_LABELS[engine],
-            "eval.batch_size": VAL_SEQUENCES // max(_nproc(engine), 1),
-            "train.init_from": str(base),
-            "data.tokenizer": str(base / "tokenizer.model"),
+    """The recipes' runs under ``engine``; one launch per engine family (ZeRO 2 and 3 together, as the matrix)."""
+    family = ENGINE_LABELS[engine]["train.engine"]
+    if family not in _launches:
+        labels = [label for label, case in ENGINE_LABELS.items() if case["train.engine"] == family]
+        runs = {
+            f"{label}: {name}": args for label in labels for name, args in _runs(label, root, cache_dir, base).items()
         }
-        runs = {}
-        for recipe, extra in RECIPES.items():
-            if recipe == "two_phase" and not _two_phase(engine):
-                continue
-            args = {**common, **extra}
-            runs[f"{recipe} full"] = overrides(_dir(root, engine, f"{recipe}_full"), cache_dir, **args)
-            for stop in STOPS if recipe == "two_phase" else (SWITCH,):
-                run_dir = _dir(root, engine, f"{recipe}_stop{stop}")
-                runs[f"{recipe} stop {stop}"] = overrides(run_dir, cache_dir, **args, **{"train.stop_at": stop})
-                runs[f"{recipe} resume {stop}"] = overrides(run_dir, cache_dir, **args)
-        _launches[engine] = run_sequence(_nproc(engine), runs, root / f"{engine}.status.json", timeout=1800)
-    return _launches[engine]
+        _launches[family] = run_sequence(_nproc(engine), runs, root / f"{family}.status.json", timeout=3600)
+    prefix = f"{engine}: "
+    return {name.removeprefix(prefix): s for name, s in _launches[family].items() if name.startswith(prefix)}
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:
