@@ -34,7 +34,6 @@ import argparse
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -47,16 +46,17 @@ from torch import Tensor
 
 from bench import profiling
 from core.device import resolve_device
-from core.errors import cli_errors
+from core.errors import ConfigError, cli_errors
 from model.attention import registry
 from model.config import AttentionConfig, ModelConfig
 from model.counts import flops_per_token
 from model.transformer import Transformer, build_model
 from pretrain.engines import Engine, build_engine
 from pretrain.freezing import apply_trainable
-from pretrain.layout_plan import GIB, RESERVE, single_device_plan
+from pretrain.layout_plan import RESERVE, single_device_plan
 from pretrain.metrics import memory_gib, peak_flops, peak_flops_for_name
 from run.config import RunConfig, load_run_config
+from run.sizes import GIB, host_memory
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
 PRESETS = ("llama-124m", "llama-1.3b")
@@ -83,7 +83,10 @@ def device_memory(device: str) -> int:
     dev = resolve_device(device)
     if dev.type == "cuda":
         return int(torch.cuda.get_device_properties(dev).total_memory)
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    host = host_memory()
+    if host is None:
+        raise ConfigError("--device cpu: this system does not report its physical memory")
+    return host
 
 
 def _arm_run_config(path: Path, *, seq_len: int, device: str, quick: bool, micro: int, ac: str = "") -> RunConfig:

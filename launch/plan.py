@@ -29,7 +29,6 @@ from core import configlib
 from core.errors import ConfigError, OneLineParser, cli_errors
 from core.files import atomic_write_text
 from pretrain.layout_plan import (  # the memory model's names are read through this module too (its tests)
-    GIB,
     Estimate,
     ParamInfo,
     activation_bytes,
@@ -40,7 +39,7 @@ from pretrain.layout_plan import (  # the memory model's names are read through 
     table_state_bytes,
 )
 from run.parallel import check_world_size
-from run.sizes import check_parameters_fit
+from run.sizes import GIB, check_parameters_fit
 
 if TYPE_CHECKING:
     from run.config import RunConfig

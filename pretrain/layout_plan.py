@@ -37,7 +37,6 @@ if TYPE_CHECKING:
     from run.config import RunConfig
 
 AC_MODES = ("none", "selective", "full")
-GIB = 1 << 30
 RESERVE = 0.1  # the share of a device kept free by default: CUDA context, NCCL buffers, fragmentation
 
 
