@@ -74,7 +74,8 @@ def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> N
 
 # Modules that share a session-scoped run (tests/pretrain/conftest.py's engine runs) go to one pytest-xdist worker.
 SHARED_RUNS = {"test_safe_loading.py": "engine-runs", "test_attacks.py": "engine-runs"}
-# Seconds of test time per xdist group, measured (CI command, quiet 2-core VM, 2026-11-27; docs/testing.md): the
+# Seconds of test time per xdist group, rounded from the CI-command runs of 2026-11-27 (docs/testing.md; the matrix's
+# after its one-launch-per-family change is an estimate from its own run): the
 # groups start longest first, so the last ones to start are short and the two workers finish together (pytest-xdist
 # orders groups by their number of tests, which put a few long launch modules last: about 80 s of one idle worker).
 # A group not listed starts after these, in collection order; the figures need only be roughly right.
