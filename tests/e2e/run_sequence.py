@@ -6,7 +6,8 @@ SPEC: ``{"runs": {name: [["--config", FILE], "--set", "key=value", ...]}, "statu
 given; a derived ``<preset>_<variant>.toml`` works as with ``pretrain.train``). Each run is what ``pretrain.train`` does
 (the standard callbacks, checkpoints, ``train.stop_at``, resume from the run directory's latest checkpoint),
 except that the process group stays up between runs. Rank 0 writes ``{name: "ok" | the error's last line}`` to
-the status file after every run, so one failing run is named and the ones after it still run.
+the status file after every run, so one failing run is named and the ones after it still run, and each run's
+wall seconds to ``<status>.seconds.json`` beside it (where a launch's time goes: docs/testing.md).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import gc
 import json
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -42,7 +44,9 @@ def main(spec_path: str) -> int:
 
     spec = json.loads(Path(spec_path).read_text())
     status: dict[str, str] = {}
+    seconds: dict[str, float] = {}
     for name, args in spec["runs"].items():
+        start = time.perf_counter()
         try:
             _train(args)
             status[name] = "ok"
@@ -51,8 +55,10 @@ def main(spec_path: str) -> int:
             status[name] = f"{type(exc).__name__}: {last}"
             traceback.print_exc()
         gc.collect()
+        seconds[name] = round(time.perf_counter() - start, 2)
         if not dist.is_initialized() or dist.get_rank() == 0:
             Path(spec["status"]).write_text(json.dumps(status, indent=1))
+            Path(spec["status"]).with_suffix(".seconds.json").write_text(json.dumps(seconds, indent=1))
         if dist.is_initialized():
             dist.barrier()
     if dist.is_initialized():

@@ -6,8 +6,10 @@ and the test files to run, the variant's paper pins first (``-x`` stops at the f
 applies one at a time to a temporary copy of ``core/``, ``model/`` and ``tests/`` and requires pytest's exit
 code 1 (tests failed; 2+ would be a collection or usage error, which proves nothing).
 
-The first five are the issue's table; ``caught_by`` records the first test seen to fail for each (run
-``pytest -m slow tests/mutations -rA`` to see it again: the check prints it).
+The first five are the issue's table. ``caught_by`` names, for each, the test that catches it: the check runs that
+one test first and stops there when it fails (a second or two per mutation); only when it passes does it run the
+whole list, which must still fail, and the check then says which test to name instead (run ``pytest -m slow
+tests/mutations -rA`` to see every catcher).
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ class Mutation:
     edits: tuple[tuple[str, str], ...]  # (exact original fragment, replacement), each fragment once in the file
     breaks: str  # the variant and formula it breaks
     tests: tuple[str, ...]  # test files to run, pins first
-    caught_by: str = ""  # the first test seen to fail (recorded for the issue's five; lazy-bias-added fails there
-    # on the zero table's gradient, which flips sign, and on values in the next pin)
+    caught_by: str  # the test that fails (a node id in one of ``tests``; lazy-bias-added fails there on the zero
+    # table's gradient, which flips sign, and on values in the next pin)
 
 
 MUTATIONS: tuple[Mutation, ...] = (
@@ -103,6 +105,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return 1.0 / math.sqrt(self.spec.head_dim)", "return 1.0 / self.spec.head_dim"),),
         "full: logits scaled by 1/d instead of 1/sqrt(d)",
         FULL,
+        "tests/attention/full/test_paper.py::test_full_is_scaled_dot_product_softmax_eq1[reference]",
     ),
     Mutation(
         "focal-t-multiplies",
@@ -110,6 +113,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return 1.0 / (t * math.sqrt(", "return t / (math.sqrt("),),
         "focal constant: t multiplies the logits instead of dividing them (eq. 5)",
         FOCAL,
+        "tests/attention/focal/test_paper.py::test_constant_temperature_divides_the_logits_eq5[reference-0.4]",
     ),
     Mutation(
         "focal-no-clip",
@@ -117,6 +121,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("torch.clamp(offset + z, tau_min, tau_max)", "offset + z"),),
         "focal learned: tau not clipped to [tau_min, tau_max] (eq. 6)",
         FOCAL,
+        "tests/attention/focal/test_paper.py::test_learned_temperature_is_the_whole_divisor_eq6[reference-query]",
     ),
     # ---- lazy ---------------------------------------------------------------------------------------------------
     Mutation(  # the FlexAttention path's own copy of eq. 3 (lazy-bias-added flipped both when they shared a file)
@@ -125,6 +130,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return score - bias[h,", "return score + bias[h,"),),
         "lazy FlexAttention path: distance bias added instead of subtracted (eq. 3)",
         LAZY,
+        "tests/attention/lazy/test_flex.py::test_two_pass_flex_composition_equals_the_reference[37-train-negative]",
     ),
     Mutation(
         "lazy-threshold-n-offset",
@@ -132,6 +138,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("n = (q_pos + 1).to(p.dtype)", "n = (q_pos + 2).to(p.dtype)"),),
         "lazy reference: Elastic-Softmax threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
         LAZY,
+        "tests/attention/lazy/test_paper.py::test_default_config_is_elastic_softmax_with_tau_over_n_eq5[reference]",
     ),
     Mutation(
         "lazy-flex-threshold-n-offset",
@@ -139,6 +146,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("/ (q_pos[qi] + 1).to(score.dtype)", "/ (q_pos[qi] + 2).to(score.dtype)"),),
         "lazy FlexAttention path: threshold tau / (i + 2) instead of tau / n_i (eq. 5)",
         LAZY,
+        "tests/attention/lazy/test_flex.py::test_two_pass_flex_composition_equals_the_reference[37-train-negative]",
     ),
     Mutation(
         "lazy-alibi-slope",
@@ -146,6 +154,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("2.0 ** (-8.0 * (h + 1) / n_heads)", "2.0 ** (-8.0 * h / n_heads)"),),
         "lazy alibi init: ALiBi slopes start at 2^0 instead of 2^(-8/H)",
         LAZY,
+        "tests/attention/lazy/test_paper.py::test_alibi_init_is_alibi_attention_before_the_threshold[reference]",
     ),
     Mutation(
         "lazy-table-clamp",
@@ -153,6 +162,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ((".clamp(0, last)\n", ".clamp(0, last - 1)\n"),),
         "lazy reference: distances past the table read its second-to-last entry",
         LAZY,
+        "tests/attention/lazy/test_paper.py::test_distances_past_the_table_read_its_last_entry[reference]",
     ),
     # ---- focus --------------------------------------------------------------------------------------------------
     Mutation(
@@ -161,6 +171,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("@ self.centroids.to(dtype).T) / self.cfg.tau", "@ self.centroids.to(dtype).T) * self.cfg.tau"),),
         "focus: group scores multiplied by tau instead of divided (eq. 2)",
         FOCUS,
+        "tests/attention/focus/test_hard.py::test_module_prefill_chunks_and_decode_equal_full_forward[1]",
     ),
     Mutation(
         "focus-prefix-normaliser-whole-sequence",
@@ -168,6 +179,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("cum = logcumsumexp(log, dim=1)", "cum = torch.logsumexp(log, dim=1, keepdim=True)"),),
         "focus prefix Sinkhorn: group normaliser over the whole sequence instead of tokens <= i (leak)",
         FOCUS,
+        "tests/attention/focus/test_hard.py::test_module_prefill_chunks_and_decode_equal_full_forward[1]",
     ),
     Mutation(
         "focus-sequence-sinkhorn-order",
@@ -180,6 +192,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "focus sequence Sinkhorn (Algorithm 1): the token normalisation replaced by a second group one",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[reference-sequence]",
     ),
     Mutation(
         "focus-gate-offset",
@@ -187,6 +200,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("F.logsigmoid(lam * (affinity - 0.5))", "F.logsigmoid(lam * affinity)"),),
         "focus additive gate: log sigmoid(lam g.g) without the 0.5 offset (E.4.8)",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[reference-default]",
     ),
     Mutation(
         "focus-multiplicative-gate-offset",
@@ -194,6 +208,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("torch.sigmoid(lam * affinity), distant", "torch.sigmoid(lam * (affinity - 0.5)), distant"),),
         "focus multiplicative gate: sigmoid(lam (g.g - 0.5)) instead of eq. 4's sigmoid(lam g.g)",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[reference-multiplicative]",
     ),
     Mutation(
         "focus-soft-window-boundary",
@@ -206,6 +221,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "focus soft: pairs at i - j = w left ungated (window boundary)",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[reference-default]",
     ),
     Mutation(
         "focus-hard-window-boundary",
@@ -218,6 +234,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "focus hard reference: window i - j <= w instead of < w",
         FOCUS,
+        "tests/attention/focus/test_hard.py::test_cpu_path_equals_dense_reference_float32[balanced-3]",
     ),
     Mutation(
         "focus-hard-cpu-band-boundary",
@@ -225,6 +242,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("local = (s[None, :] > r[:, None])", "local = (s[None, :] >= r[:, None])"),),
         "focus hard CPU kernel: cross-group band i - j <= w instead of < w",
         FOCUS,
+        "tests/attention/focus/test_hard.py::test_cpu_path_equals_dense_reference_float32[balanced-3]",
     ),
     Mutation(
         "focus-top-k-smallest",
@@ -237,6 +255,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "focus hard: a token's k *least* likely groups as its memberships (top-k, k >= 2)",
         FOCUS,
+        "tests/attention/focus/test_hard.py::test_module_prefill_chunks_and_decode_equal_full_forward[2]",
     ),
     # ---- dga ----------------------------------------------------------------------------------------------------
     Mutation(
@@ -250,6 +269,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "dga aggregation (eq. 14) with the group's first query instead of its last",
         DGA,
+        "tests/attention/dga/test_paper.py::test_dga_is_focal_plus_aggregated_groups_eq14_to_17[reference-sequence-m2]",
     ),
     Mutation(
         "dga-least-important-focal",
@@ -257,6 +277,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("importance.topk(r, dim=-1).indices", "importance.topk(r, dim=-1, largest=False).indices"),),
         "dga: the least important keys kept focal",
         DGA,
+        "tests/attention/dga/test_paper.py::test_dga_is_focal_plus_aggregated_groups_eq14_to_17[reference-sequence-m2]",
     ),
     Mutation(
         "dga-compressed-visible-early",
@@ -264,6 +285,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("avail = (starts + 2 * c)[:, None]  # [U, 1]", "avail = (starts + c)[:, None]  # [U, 1]"),),
         "dga causal gathered path: chunk c's compression used from chunk c + 1 (while still raw) instead of c + 2",
         DGA,
+        "tests/attention/dga/test_cpu.py::test_parts_form_equals_the_dense_reference[dtype0-causal-m2-g0.2-37-gathered]",
     ),
     Mutation(
         "dga-focal-count-floor",
@@ -271,6 +293,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("math.ceil(round(gamma * n, 9))", "math.floor(round(gamma * n, 9))"),),
         "dga focal count: floor(gamma n) instead of ceil (section 5.1)",
         DGA,
+        "tests/attention/dga/test_paper.py::test_dga_is_focal_plus_aggregated_groups_eq14_to_17[reference-causal-m3-remainder]",
     ),
     # ---- prescored_hyper ----------------------------------------------------------------------------------------
     Mutation(
@@ -279,6 +302,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return (kg * k).sum(-1)", "return (k * k).sum(-1)"),),
         "prescored_hyper leverage scoring: squared norms instead of the hat matrix's diagonal",
         HYPER,
+        "tests/attention/prescored_hyper/test_paper.py::test_leverage_scoring_keeps_the_top_leverage_keys[reference]",
     ),
     Mutation(
         "hyper-keeps-lowest-scores",
@@ -291,6 +315,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "prescored_hyper: the lowest-scored keys kept (Algorithm 1)",
         HYPER,
+        "tests/attention/prescored_hyper/test_paper.py::test_leverage_scoring_keeps_the_top_leverage_keys[reference]",
     ),
     Mutation(
         "hyper-no-fallback",
@@ -298,6 +323,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("or keep < self.cfg.min_keys:", "or keep < 0:"),),
         "prescored_hyper: no fallback to plain HyperAttention when fewer than min_keys survive",
         HYPER,
+        "tests/attention/prescored_hyper/test_paper.py::test_too_few_survivors_fall_back_to_plain_hyperattention[reference]",
     ),
     Mutation(
         "hyper-exact-block-boundary",
@@ -305,6 +331,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("if qe - qs <= cfg.min_seq_len:", "if qe - qs < cfg.min_seq_len:"),),
         "prescored_hyper: recursive halving goes one level further (exact block < instead of <= min_seq_len)",
         HYPER,
+        "tests/attention/prescored_hyper/test_paper.py::test_recursive_halving_is_exact_up_to_min_seq_len[reference]",
     ),
     # ---- RoPE scaling -------------------------------------------------------------------------------------------
     Mutation(
@@ -313,6 +340,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("theta * factor ** (d / (d - 2))", "theta * factor ** (d / (d - 1))"),),
         "RoPE NTK-aware: base x s^(d/(d-1)) instead of s^(d/(d-2))",
         ROPE,
+        "tests/model/test_rope_paper.py::test_ntk_raises_the_base_by_s_to_d_over_d_minus_2[2.0]",
     ),
     Mutation(
         "rope-dynamic-ntk-factor",
@@ -320,6 +348,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("(factor * length / l0 - (factor - 1))", "(factor * length / l0)"),),
         "RoPE dynamic NTK: s L / L0 instead of s L / L0 - (s - 1)",
         ROPE,
+        "tests/model/test_rope_paper.py::test_dynamic_ntk_grows_the_factor_with_the_length[2.0]",
     ),
     Mutation(
         "rope-yarn-ramp-reversed",
@@ -327,6 +356,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("keep = 1 - ramp", "keep = ramp"),),
         "RoPE YaRN: high-frequency dimensions interpolated and low ones kept",
         ROPE,
+        "tests/model/test_rope_paper.py::test_yarn_ramps_between_interpolation_and_extrapolation_eq18_to_21[4.0]",
     ),
     Mutation(
         "rope-yarn-attention-factor",
@@ -334,6 +364,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("0.1 * math.log(factor) + 1.0", "0.2 * math.log(factor) + 1.0"),),
         "RoPE YaRN: attention factor 0.2 ln s + 1 instead of 0.1 ln s + 1",
         ROPE,
+        "tests/model/test_rope_paper.py::test_yarn_ramps_between_interpolation_and_extrapolation_eq18_to_21[4.0]",
     ),
     Mutation(
         "rope-llama3-band",
@@ -346,6 +377,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         ),
         "RoPE Llama 3: the short wavelengths divided by s instead of the long ones",
         ROPE,
+        "tests/model/test_rope_paper.py::test_llama3_bands[1.0-4.0]",
     ),
     Mutation(
         "rope-linear-multiplies",
@@ -353,6 +385,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("return inv / factor, 1.0", "return inv * factor, 1.0"),),
         "RoPE linear (position interpolation): frequencies x s instead of / s",
         ROPE,
+        "tests/model/test_rope_paper.py::test_linear_is_position_interpolation_eq4[2.0]",
     ),
     # ---- the CPU training paths (blockwise, exact): their own copies of the formulas ------------------------
     Mutation(
@@ -361,6 +394,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("u = -table.to(dtype)[:, dist.clamp(0, self.last)]", "u = table.to(dtype)[:, dist.clamp(0, self.last)]"),),
         "lazy CPU path: distance bias added instead of subtracted (section 4)",
         LAZY,
+        "tests/attention/lazy/test_paper.py::test_learned_bias_is_subtracted_and_tau_is_per_head_eq3_eq5[auto]",
     ),
     Mutation(
         "lazy-blockwise-threshold-over-position",
@@ -368,6 +402,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("c = tau.to(dtype)[:, None] / (pos + 1)[None, :]", "c = tau.to(dtype)[:, None] / (pos + 2)[None, :]"),),
         "lazy CPU path: Elastic-Softmax threshold tau / (n + 1) instead of tau / n",
         LAZY,
+        "tests/attention/lazy/test_paper.py::test_default_config_is_elastic_softmax_with_tau_over_n_eq5[auto]",
     ),
     Mutation(
         "focus-soft-cpu-gate-offset",
@@ -375,6 +410,7 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("(-0.5 * lam).expand", "(-0.25 * lam).expand"),),
         "focus soft CPU path: gate lam (g_i . g_j - 0.25) instead of - 0.5 (E.4.8)",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[auto-default]",
     ),
     Mutation(
         "focus-soft-cpu-window-boundary",
@@ -382,5 +418,6 @@ MUTATIONS: tuple[Mutation, ...] = (
         (("self.near = (pos - keys < window) & ~self.future", "self.near = (pos - keys <= window) & ~self.future"),),
         "focus soft CPU path: the window one key wider (i - j <= w ungated)",
         FOCUS,
+        "tests/attention/focus/test_paper.py::test_soft_gate_over_sinkhorn_assignments[auto-default]",
     ),
 )

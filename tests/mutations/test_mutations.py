@@ -3,8 +3,9 @@ temporary copy of the packages, must make the variant's fast tests fail.
 
 Copy ``core/``, ``model/`` and ``tests/`` (and the pytest configuration) into a temporary directory once; one
 subprocess (``tests/mutations/runner.py``, that directory first on ``PYTHONPATH``, the worktree after it for the
-packages not copied) applies each selected mutation in turn (its fragment must occur exactly once), runs the
-mutation's test files with ``-x -q -m "not slow"`` and puts the file back. Exit code 1 (a test failed) is required:
+packages not copied) applies each selected mutation in turn (its fragment must occur exactly once), runs the test the
+table names as its catcher (``-x -q -m "not slow"``; the mutation's test files after it only if it passes) and puts
+the file back. Exit code 1 (a test failed) is required:
 0 means the mutation survived, 2 or more a collection or usage error, which proves nothing. One torch thread: these
 tests run tiny operations, where intra-op threads only contend with each other.
 """
@@ -70,6 +71,8 @@ def test_mutation_is_caught(mutation: Mutation, outcomes: dict[str, dict]) -> No
     assert got["code"] != 0, f"{mutation.name} survived ({mutation.breaks}):\n{got['tail']}"
     assert got["code"] == 1, f"{mutation.name}: pytest exit {got['code']}, not a test failure:\n{got['tail']}"
     print(f"{mutation.name}: caught by {got['first']}")
+    # caught, but not by the test the table names: name the one that did (the check stays a test or two per mutation)
+    assert got["first"] == mutation.caught_by, f"{mutation.name}: caught_by = {got['first']!r} in table.py"
 
 
 @pytest.mark.slow
@@ -87,4 +90,5 @@ def test_table_fragments_occur_once() -> None:
         for original, _ in mutation.edits:
             assert src.count(original) == 1, f"{mutation.name}: {original!r} in {mutation.path}"
         assert all((REPO / f).is_file() for f in mutation.tests), mutation.name
+        assert mutation.caught_by.split("::")[0] in mutation.tests, f"{mutation.name}: caught_by outside its tests"
     assert len(MUTATIONS) >= 15
