@@ -188,9 +188,13 @@ def cluster(tmp_path):
         yield env
     finally:
         subprocess.run(["scancel", "--full", "--user", "root"], env=env, capture_output=True)
-        for d in reversed(daemons):
-            _stop(d.pid, "slurm daemon")
-            d.wait(timeout=30)
+        for d in reversed(daemons):  # our children: wait() reaps them (a zombie still answers kill(pid, 0))
+            d.terminate()
+            try:
+                d.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                d.kill()
+                d.wait(timeout=30)
         _stop(munged, "munged")
 
 
