@@ -513,9 +513,12 @@ class FocusAttention(Attention):
         entropy = self._entropy(g_q)
         with torch.no_grad():
             g = g_q.detach()
-            share = (
-                torch.bincount(g.argmax(-1).flatten(), minlength=self.cfg.n_groups).float() / g.shape[0] / g.shape[1]
-            )
+            # counts by scatter rather than bincount, whose output size depends on the data: a compiled block
+            # (train.compile) would break its graph there on every logging step
+            top = g.argmax(-1).flatten()
+            share = g.new_zeros(self.cfg.n_groups, dtype=torch.float32).scatter_add_(
+                0, top, torch.ones_like(top, dtype=torch.float32)
+            ) / (g.shape[0] * g.shape[1])
             stats = {
                 "max_group_share": share.max(),
                 "confidence": g.max(-1).values.mean(),
@@ -540,7 +543,9 @@ class FocusAttention(Attention):
         # sampled rows in blocks of at most STATS_BLOCK pairs: the [B, rows, Tk] temporaries would otherwise be a
         # fixed cost the size of a layer's activations at long context (and not split by context parallelism)
         step = max(1, STATS_BLOCK // max(1, k_pos.numel()))
-        total, count = torch.zeros((), dtype=torch.float64, device=g_q.device), 0
+        # sums stay on the device (no host sync, no data-dependent shape: the compiled block keeps one graph)
+        total = torch.zeros((), dtype=torch.float64, device=g_q.device)
+        count = torch.zeros((), dtype=torch.long, device=g_q.device)
         causal_count = torch.zeros((), dtype=torch.long, device=g_q.device)
         for lo in range(0, q_pos.numel(), step):
             gq, qp = g_q[:, lo : lo + step], q_pos[lo : lo + step]
@@ -554,13 +559,13 @@ class FocusAttention(Attention):
             if self.cfg.gate == "additive":
                 gate = gate.exp()
             pairs = distant & causal
-            total = total + gate[:, pairs].sum(dtype=torch.float64)
-            count += int(pairs.sum()) * gq.shape[0]
+            total = total + torch.where(pairs, gate, 0).sum(dtype=torch.float64)
+            count = count + pairs.sum() * gq.shape[0]
         if self.cfg.mode == "hard":
             return {"pairs_kept": (total / causal_count).to(torch.get_default_dtype())}
-        if not count:
+        if k_pos.numel() <= self.cfg.window:  # from the shapes: no key lies `window` positions before a query
             return {}
-        return {"gate_distant": (total / count).to(g_q.dtype)}
+        return {"gate_distant": (total / count.clamp(min=1)).to(g_q.dtype)}  # 0 if the sampled rows hold none
 
     def _stability(self, g: Tensor) -> dict[str, Tensor]:
         """Share of the reference batch's tokens whose argmax group is the same as at the last pass."""

@@ -137,6 +137,25 @@ def test_soft_gate_values():
     )
 
 
+@pytest.mark.parametrize("gate", ["additive", "multiplicative"])
+def test_statistics_compile_in_one_graph(gate):
+    """Logging steps collect the statistics inside the compiled block (``train.compile``, a soft-mode training
+    forward): their counts and sums stay on the device with static shapes, so the block keeps one graph (bincount, a
+    boolean index or ``int()`` would break it on every logging step), and the values are the eager ones."""
+    import torch._dynamo
+
+    module = build_attention("focus", FocusConfig(window=4, n_groups=4, gate=gate), SPEC)
+    module.collect_stats = True
+    q, k, v, hidden = qkv(2, 24, dtype=torch.float32, seed=5)
+    pos = torch.arange(24)
+    eager = module(q, k, v, hidden=hidden, positions=pos).stats
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend="eager", fullgraph=True)(q, k, v, hidden=hidden, positions=pos).stats
+    assert compiled.keys() == eager.keys() and "gate_distant" in eager
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], msg=key)
+
+
 def test_statistics_match_hand_computation():
     module = build_attention("focus", FocusConfig(window=4, n_groups=4), SPEC).double()
     module.collect_stats = True
