@@ -34,7 +34,16 @@ class GroupedKVCache(Attention):
         ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]: ...
         def _needed_chunks(self, last_query_pos: int) -> int: ...
         def _attend_window(
-            self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, k_base: int = 0
+            self,
+            q: Tensor,
+            q_pos: Tensor,
+            k: Tensor,
+            v: Tensor,
+            ck: Tensor,
+            cv: Tensor,
+            avail: Tensor,
+            k_base: int = 0,
+            span: tuple[int, int] | None = None,
         ) -> tuple[Tensor, Tensor]: ...
         def _attend_complementary(
             self,

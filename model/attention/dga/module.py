@@ -346,8 +346,9 @@ class DynamicGroupAttention(GroupedKVCache):
             ck, cv, plan = self._parts_inputs(comp, ck, cv, avail, q.shape[2], q.dtype)
             out = parts_attention(q, k, v, ck, cv, plan, self.scale)
             counts = self._parts_counts(comp, avail, q_pos) if self.collect_stats else None
-        elif self.cfg.selection == "causal":
-            out, counts = self._attend_window(q, q_pos, k, v, ck, cv, avail)
+        elif self.cfg.selection == "causal":  # the queries are the last rows of the keys (above): a span from shapes
+            span = (k.shape[2] - q.shape[2], k.shape[2])
+            out, counts = self._attend_window(q, q_pos, k, v, ck, cv, avail, span=span)
         else:
             out, counts = self._attend_complementary(q, q_pos, k, v, comp, ck, cv, avail)
         return AttnOut(out, stats=self._stats(counts, q_pos) if self.collect_stats else {})
@@ -432,14 +433,28 @@ class DynamicGroupAttention(GroupedKVCache):
         return out.to(qb.dtype), cmask.sum(-1) + lmask.sum(-1)
 
     def _attend_window(
-        self, q: Tensor, q_pos: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, avail: Tensor, k_base: int = 0
+        self,
+        q: Tensor,
+        q_pos: Tensor,
+        k: Tensor,
+        v: Tensor,
+        ck: Tensor,
+        cv: Tensor,
+        avail: Tensor,
+        k_base: int = 0,
+        span: tuple[int, int] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """Causal form: compressed chunks <= j-2 plus the raw chunks j-1 and j (up to the query).
-        k/v row p holds position p + k_base (the cache keeps raw keys from the window of its first query on)."""
+        k/v row p holds position p + k_base (the cache keeps raw keys from the window of its first query on).
+        ``span``: the queries' positions [p0, p1) when the caller knows them from shapes; else they are read from
+        ``q_pos`` (a host read: a graph break where this path is compiled, train.compile on the CPU)."""
         b, h, tq, d = q.shape
         c = self.cfg.chunk_size
         tk = k.shape[2]
-        p0, p1 = int(q_pos[0]), int(q_pos[-1]) + 1
+        if span is None:
+            p0, p1 = int(q_pos[0]), int(q_pos[-1]) + 1
+        else:
+            p0, p1 = span
         dev = q.device
         if tq < c:  # decode / short calls: one block, keys from the previous chunk of the first query on
             lo = max(0, (p0 // c - 1) * c)
@@ -460,8 +475,8 @@ class DynamicGroupAttention(GroupedKVCache):
         lmask = (wpos[:, None, :] <= qpos_b[:, :, None]) & (wpos[:, None, :] >= (qpos_b[:, :, None] // c - 1) * c)
         out, counts = self._attend(qb, qpos_b, ck, cv, avail, lk, lv, lmask)
         out, counts = out.reshape(b, h, -1, d), counts.reshape(b, h, -1)
-        if tq >= c:
-            keep = qpos_b.reshape(-1) >= 0
+        if tq >= c:  # the blocks' padding rows off: the queries are rows p0 - j0 C .. p1 - j0 C (a slice, no mask)
+            keep = slice(p0 - j0 * c, p1 - j0 * c)
             out, counts = out[:, :, keep], counts[:, :, keep]
         return out, counts
 

@@ -188,3 +188,26 @@ def test_bfloat16_compression_equals_float64_within_bfloat16_rounding():
     assert low.agg_k.dtype == torch.bfloat16
     for got, want in ((low.agg_k, wide.agg_k), (low.agg_v, wide.agg_v)):
         torch.testing.assert_close(got.double(), want, atol=3e-2, rtol=2e-2)
+
+
+def test_causal_training_forward_compiles_in_one_graph_on_the_cpu():
+    """Compiled on the CPU (``train.compile``: the gathered path, not the fused kernel) the causal form reads its
+    query span from the shapes, not from ``q_pos`` (a host read broke the graph once per block and layer), and keeps
+    the kept rows by a slice rather than a mask; output and statistics equal the eager call's."""
+    import torch._dynamo
+
+    q, k, v, hidden = inputs(t=37)
+    module = dga(selection="causal", chunk_size=8, **SMALL)
+    module.impl = "gathered"
+    eager = run(module, q, k, v, hidden, "gathered")
+    torch._dynamo.reset()
+
+    def call(q, k, v, hidden, positions):
+        return module(q, k, v, hidden=hidden, positions=positions)
+
+    explained = torch._dynamo.explain(call)(q, k, v, hidden, torch.arange(q.shape[2]))
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager")(q, k, v, hidden, torch.arange(q.shape[2]))
+    torch.testing.assert_close(compiled.output, eager.output, atol=0, rtol=0)
+    torch.testing.assert_close(compiled.stats["key_ratio"], eager.stats["key_ratio"], atol=0, rtol=0)

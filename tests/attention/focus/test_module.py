@@ -150,7 +150,14 @@ def test_statistics_compile_in_one_graph(gate):
     pos = torch.arange(24)
     eager = module(q, k, v, hidden=hidden, positions=pos).stats
     torch._dynamo.reset()
-    compiled = torch.compile(module, backend="eager", fullgraph=True)(q, k, v, hidden=hidden, positions=pos).stats
+
+    def call(q, k, v, hidden, positions):
+        return module(q, k, v, hidden=hidden, positions=positions)
+
+    explained = torch._dynamo.explain(call)(q, k, v, hidden, pos)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(call, backend="eager")(q, k, v, hidden, pos).stats
     assert compiled.keys() == eager.keys() and "gate_distant" in eager
     for key in eager:
         torch.testing.assert_close(compiled[key], eager[key], msg=key)
