@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -54,6 +55,23 @@ def run_sequence(
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})})
     done = json.loads(status.read_text()) if status.is_file() else {}
     return {name: done.get(name) or f"launch: exit {proc.returncode}\n{why(proc)}" for name in runs}
+
+
+def shared_launch(
+    memo: dict, key: object, nproc: int, runs: Callable[[], dict[str, list[str]]], status: Path, *, timeout: int = 3600
+) -> dict[str, str]:
+    """``run_sequence(nproc, runs(), status)`` once per ``key`` (memoised in ``memo``): the modules whose cases share
+    a launch (one per process count: each run builds its own engine and mesh; a launch costs about 10 s of process
+    start-up on 2 cores) name their runs ``"<label>: <run>"`` and read theirs back with ``runs_of``."""
+    if key not in memo:
+        memo[key] = run_sequence(nproc, runs(), status, timeout=timeout)
+    return memo[key]
+
+
+def runs_of(label: str, status: dict[str, str]) -> dict[str, str]:
+    """{run: status} of the runs named ``"<label>: <run>"`` in a shared launch's ``status``."""
+    prefix = f"{label}: "
+    return {name.removeprefix(prefix): s for name, s in status.items() if name.startswith(prefix)}
 
 
 def write_summary(tmp_path_factory, name: str, text: str) -> Path:

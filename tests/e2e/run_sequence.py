@@ -2,8 +2,10 @@
 ``launch/configs/tiny.toml`` one after another in this process, so a test matrix pays for the interpreter, its
 imports and the process group once per launch rather than once per run.
 
-SPEC: ``{"runs": {name: [["--config", FILE], "--set", "key=value", ...]}, "status": path}`` (FILE: tiny.toml unless
-given; a derived ``<preset>_<variant>.toml`` works as with ``pretrain.train``). Each run is what ``pretrain.train`` does
+SPEC: ``{"runs": {name: [["--config", FILE], ["--copy-run", DIR], "--set", "key=value", ...]}, "status": path}``
+(FILE: tiny.toml unless given; a derived ``<preset>_<variant>.toml`` works as with ``pretrain.train``; DIR: a run
+directory, usually an earlier run's of the same launch, that rank 0 copies to ``run.dir`` first, so a run stopped
+under one layout resumes under another in the same launch). Each run is what ``pretrain.train`` does
 (the standard callbacks, checkpoints, ``train.stop_at``, resume from the run directory's latest checkpoint),
 except that the process group stays up between runs. Rank 0 writes ``{name: "ok" | the error's last line}`` to
 the status file after every run, so one failing run is named and the ones after it still run, and each run's
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import sys
 import time
 import traceback
@@ -31,12 +34,31 @@ def _train(args: list[str]) -> None:
     pairs = list(zip(args[::2], args[1::2]))
     config = next((value for flag, value in pairs if flag == "--config"), TINY)
     cfg = load_run_config(config, [value for flag, value in pairs if flag == "--set"])
+    copy = next((value for flag, value in pairs if flag == "--copy-run"), None)
+    if copy is not None:
+        _copy_run(Path(copy), Path(cfg.run.dir))
     torch._dynamo.reset()  # each run compiles its own blocks afresh (no recompile limit across runs)
     trainer = Trainer(cfg)
     trainer.setup()
     result = trainer.run()
     if result.error or result.exit_code:
         raise RuntimeError(result.error or f"exit code {result.exit_code}")
+
+
+def _copy_run(source: Path, dest: Path) -> None:
+    """Rank 0 copies ``source`` to ``dest``; the others wait for it (the process group of the earlier runs)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if dist.get_rank() == 0:
+            shutil.copytree(source, dest)
+        dist.barrier()
+    elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise RuntimeError("--copy-run under torchrun needs an earlier run in the launch (its process group)")
+    else:
+        shutil.copytree(source, dest)
 
 
 def main(spec_path: str) -> int:

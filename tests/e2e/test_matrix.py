@@ -11,10 +11,10 @@ with no edit here), on CPU: 2 gloo processes for the data-parallel engines.
   the engines that write different kinds of checkpoint (``RESUME_EVERY_VARIANT``) and for one variant under the
   other engine options and under ``train.compile`` (``RESUME_ONE_VARIANT``, ``RESUME_UNDER_COMPILE``).
 
-One launch per engine (its option labels included) runs every variant's runs in sequence
-(``tests/e2e/run_sequence.py``). The summary table (variant, engine, worst relative loss difference, resume exact)
-is written to ``matrix_summary.md`` and ``.json`` under pytest's base temporary directory (or
-``$MATRIX_SUMMARY_DIR``) and printed.
+One launch per process count (one for the single-process engine, one for every data-parallel engine and option)
+runs every variant's runs in sequence (``tests/e2e/run_sequence.py``). The summary table (variant, engine, worst
+relative loss difference, resume exact) is written to ``matrix_summary.md`` and ``.json`` under pytest's base
+temporary directory (or ``$MATRIX_SUMMARY_DIR``) and printed.
 """
 
 from __future__ import annotations
@@ -31,7 +31,15 @@ from model.transformer import build_model
 from pretrain.engines import ENGINES
 from run.engines import ENGINE_SPECS
 from tests.conftest import small_model_config
-from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, run_sequence, train_rows, worst_relative, write_summary
+from tests.e2e.helpers import (
+    HAVE_DEEPSPEED,
+    all_losses,
+    runs_of,
+    shared_launch,
+    train_rows,
+    worst_relative,
+    write_summary,
+)
 from tests.e2e.test_train_cli import overrides
 
 TOL = 1e-5  # relative
@@ -123,7 +131,7 @@ def engine_cases() -> dict[str, dict]:
 
 VARIANTS, ENGINE_CASES = variant_cases(), engine_cases()
 REFERENCE = "single"
-_launches: dict[str, dict[str, str]] = {}  # engine family -> {"<label>: <variant> <run>": status}
+_launches: dict[int, dict[str, str]] = {}  # process count -> {"<label>: <variant> <run>": status}
 SUMMARY: dict[tuple[str, str], dict] = {}
 
 
@@ -143,33 +151,32 @@ def _runs(engine: str, variant: str) -> list[tuple[str, dict]]:
     return runs
 
 
-def _family(engine: str) -> str:
-    """The engine an option label runs (fsdp2 for HSDP and the block options, deepspeed for ZeRO 1-3)."""
-    return ENGINE_CASES[engine]["train.engine"]
+def _nproc(engine: str) -> int:
+    """2 processes for a data-parallel engine's labels, else 0 (one process, no launcher)."""
+    return 2 if ENGINE_SPECS[ENGINE_CASES[engine]["train.engine"]].distributed else 0
 
 
 def _launch(engine: str, root: Path, cache_dir: Path) -> dict[str, str]:
-    """Every variant's runs under ``engine`` ({"<variant> <run>": status}). One launch per engine family runs every
-    option label of that engine (memoised: the first test of a family pays): each run builds its own engine, mesh
-    and compiled blocks, as runs of one label already did; a launch costs about 9 s of process start-up, six of them
-    saved (issue 39)."""
-    family = _family(engine)
-    if family not in _launches:
-        nproc = 2 if ENGINE_SPECS[family].distributed else 0
-        runs = {}
+    """Every variant's runs under ``engine`` ({"<variant> <run>": status}). One launch per process count runs every
+    engine label of that count (memoised: the first test pays): each run builds its own engine, mesh and compiled
+    blocks, as runs of one label already did; a launch costs about 10 s of process start-up (issue 39)."""
+    nproc = _nproc(engine)
+
+    def runs() -> dict[str, list[str]]:
+        out = {}
         for label, extra in ENGINE_CASES.items():
-            if _family(label) != family:
-                continue
+            if _nproc(label) != nproc or (extra["train.engine"] == "deepspeed" and not HAVE_DEEPSPEED):
+                continue  # (a deepspeed label's tests skip without it)
             extra = {**extra, "eval.batch_size": VAL_SEQUENCES // max(nproc, 1)}
             for variant, options in VARIANTS.items():
                 for run, more in _runs(label, variant):
                     run_dir = _run_dir(root, label, variant, "full" if run == "full" else "stopped")
-                    runs[f"{label}: {variant} {run}"] = overrides(
+                    out[f"{label}: {variant} {run}"] = overrides(
                         run_dir, cache_dir, **SHAPE, **options, **extra, **more
                     )
-        _launches[family] = run_sequence(nproc, runs, root / f"{family}.status.json", timeout=3600)
-    prefix = f"{engine}: "
-    return {name.removeprefix(prefix): s for name, s in _launches[family].items() if name.startswith(prefix)}
+        return out
+
+    return runs_of(engine, shared_launch(_launches, nproc, nproc, runs, root / f"nproc{nproc}.status.json"))
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -26,6 +26,8 @@ from tests.e2e.helpers import (
     HAVE_DEEPSPEED,
     all_losses,
     run_sequence,
+    runs_of,
+    shared_launch,
     torchrun,
     train_rows,
     why,
@@ -53,7 +55,7 @@ RECIPES = {
 REPEATS = ("hsdp", "zero1")
 ENGINE_LABELS = {label: case for label, case in ENGINE_CASES.items() if "+" not in label and label not in REPEATS}
 REFERENCE = "single"
-_launches: dict[str, dict[str, str]] = {}
+_launches: dict[int, dict[str, str]] = {}  # process count -> {"<label>: <run>": status}
 
 
 def _two_phase(engine: str) -> bool:
@@ -101,16 +103,20 @@ def _runs(engine: str, root: Path, cache_dir: Path, base: Path) -> dict[str, lis
 
 
 def _launch(engine: str, root: Path, cache_dir: Path, base: Path) -> dict[str, str]:
-    """The recipes' runs under ``engine``; one launch per engine family (ZeRO 2 and 3 together, as the matrix)."""
-    family = ENGINE_LABELS[engine]["train.engine"]
-    if family not in _launches:
-        labels = [label for label, case in ENGINE_LABELS.items() if case["train.engine"] == family]
-        runs = {
+    """The recipes' runs under ``engine``; one launch per process count (every data-parallel engine in one)."""
+    nproc = _nproc(engine)
+
+    def runs() -> dict[str, list[str]]:
+        labels = [
+            label
+            for label, case in ENGINE_LABELS.items()
+            if _nproc(label) == nproc and (case["train.engine"] != "deepspeed" or HAVE_DEEPSPEED)
+        ]
+        return {
             f"{label}: {name}": args for label in labels for name, args in _runs(label, root, cache_dir, base).items()
         }
-        _launches[family] = run_sequence(_nproc(engine), runs, root / f"{family}.status.json", timeout=3600)
-    prefix = f"{engine}: "
-    return {name.removeprefix(prefix): s for name, s in _launches[family].items() if name.startswith(prefix)}
+
+    return runs_of(engine, shared_launch(_launches, nproc, nproc, runs, root / f"nproc{nproc}.status.json"))
 
 
 def _weights(checkpoint: Path) -> dict[str, torch.Tensor]:

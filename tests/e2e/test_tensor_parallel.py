@@ -9,15 +9,15 @@ run's training loss and gradient norm at every step within 1e-5 relative; so doe
 (GPT-2's learned and LLaMA's rotary positions restarting per document) under ``cp=2`` and ``tp=2``. Tensor parallelism
 runs with sequence parallelism (``train.parallel.sequence_parallel``, the default: the residual stream split on the
 sequence over the TP ranks), and a few cases without it, with activation checkpointing, and under ``tp=2 x cp=2``
-(hosted in another layout's launch). One launch per layout runs every case in sequence (tests/e2e/run_sequence.py). The
-loader is indexed by the data-parallel rank, so each layout trains on the same global batches; the CP ranks of a replica
-split each sequence. Runs stopped at step 3 under ``cp=2`` and ``tp=2`` resume under another layout.
+(hosted in another layout's launch). One launch per process count runs every case of its layouts in sequence
+(tests/e2e/run_sequence.py; ``LAUNCH_GROUPS``). The loader is indexed by the data-parallel rank, so each layout trains
+on the same global batches; the CP ranks of a replica split each sequence. Runs stopped at step 3 under ``cp=2`` and
+``tp=2`` resume under another layout.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +25,15 @@ import pytest
 from data.embedded import iter_embedded
 from model.attention import registry
 from pretrain.resume_config import HISTORY_PREFIX
-from tests.e2e.helpers import all_losses, run_sequence, train_rows, worst_relative, write_summary
+from tests.e2e.helpers import (
+    all_losses,
+    run_sequence,
+    runs_of,
+    shared_launch,
+    train_rows,
+    worst_relative,
+    write_summary,
+)
 from tests.e2e.test_matrix import SHAPE, variant_cases
 from tests.e2e.test_train_cli import overrides
 
@@ -79,12 +87,17 @@ HOSTED = {
     "tp2_ac_full": ("tp2", {"train.activation_checkpointing": "full"}, ("full/default",)),
     "tp2_ac_selective": ("tp2", {"train.activation_checkpointing": "selective"}, ("focus/soft-prefix",)),
 }
+# layouts of one process count share a launch, in this order (each run builds its own mesh; a launch costs about
+# 10 s of process start-up on 2 cores: issue 39)
+LAUNCH_GROUPS = {"single": ("single",), "two": ("tp2", "cp2"), "four": ("dp2_tp2", "dp2_cp2")}
 # runs stopped at step 3 (in the cp2 and tp2 launches) resume under another layout (DCP reshards); Focus: centroids,
 # a learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
 RESUME_CASES = ("focus/soft-prefix", "full/default")
 RESUME_AT = 3
 RESUME_AS = {"tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}), "single": (0, {})}
 RESUMES = {"cp2": ("tp2", "single"), "tp2": ("single",)}  # stopped under -> resumed as
+# resumed as tp2: at the end of the 2-process launch that stopped them (a copy of the stopped run directory each)
+RESUME_HOSTS = {"tp2": "two"}
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
 
@@ -107,28 +120,48 @@ def _cases(layout: str) -> tuple[str, ...]:
     return LAYOUT_SUBSETS.get(layout, tuple(CASES))
 
 
+def _group(layout: str) -> str:
+    return next(group for group, layouts in LAUNCH_GROUPS.items() if layout in layouts)
+
+
 def _launch(layout: str, root: Path, cache_dir: Path) -> dict[str, str]:
-    """Every case under ``layout``, in one launch (memoised: the first test of a layout pays)."""
-    if layout not in _launches:
-        nproc, extra = LAYOUTS[layout]
-        cases = {case: CASES[case] for case in _cases(layout)}
-        if layout in WITH_DOCUMENTS:
-            local = {"data.source": "local", "data.path": str(_speeches(root))}
-            cases |= {case: options | local for case, options in DOCUMENTS.items()}
-        if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
-            cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
-        for label, (host, more, hosted) in HOSTED.items():
-            if host == layout:
-                cases |= {f"{label}/{case}": CASES[case] | more for case in hosted}
-        if layout in RESUMES:
-            stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
-            cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
-        runs = {  # eval.batch_size 1: the same 2 validation sequences on every layout
-            case: overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra})
-            for case, options in cases.items()
-        }
-        _launches[layout] = run_sequence(nproc, runs, root / f"{layout}.status.json", timeout=1200)
-    return _launches[layout]
+    """Every case under ``layout`` ({name: status}), from the one launch of its group (memoised: the group's first
+    test pays); the group's launch also runs the resumes it hosts (``RESUME_HOSTS``)."""
+    return runs_of(layout, _group_launch(_group(layout), root, cache_dir))
+
+
+def _group_launch(group: str, root: Path, cache_dir: Path) -> dict[str, str]:
+    def runs() -> dict[str, list[str]]:
+        out = {f"{lay}: {name}": args for lay in LAUNCH_GROUPS[group] for name, args in _runs(lay, root, cache_dir)}
+        for target, host in RESUME_HOSTS.items():
+            if host == group:
+                out |= {f"resume_{target}: {name}": args for name, args in _resume_runs(target, root, cache_dir)}
+        return out
+
+    nproc = LAYOUTS[LAUNCH_GROUPS[group][0]][0]
+    return shared_launch(_launches, group, nproc, runs, root / f"{group}.status.json", timeout=1200)
+
+
+def _runs(layout: str, root: Path, cache_dir: Path) -> list[tuple[str, list[str]]]:
+    """(name, arguments) of every case under ``layout``: its cases, the document cases, the hosted layouts' and the
+    runs stopped to resume elsewhere."""
+    _, extra = LAYOUTS[layout]
+    cases = {case: CASES[case] for case in _cases(layout)}
+    if layout in WITH_DOCUMENTS:
+        local = {"data.source": "local", "data.path": str(_speeches(root))}
+        cases |= {case: options | local for case, options in DOCUMENTS.items()}
+    if layout == "single":  # the same corpus unmasked: masking must change the losses for the parity to test it
+        cases["full/unmasked-gpt2"] = cases["full/documents-gpt2"] | {"data.document_masking": False}
+    for label, (host, more, hosted) in HOSTED.items():
+        if host == layout:
+            cases |= {f"{label}/{case}": CASES[case] | more for case in hosted}
+    if layout in RESUMES:
+        stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
+        cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
+    return [  # eval.batch_size 1: the same 2 validation sequences on every layout
+        (case, overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra}))
+        for case, options in cases.items()
+    ]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -147,6 +180,10 @@ def summary(tmp_path_factory):
 def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert {c.split("/")[0] for c in CASES} >= {k for k, e in registry.items() if e.cls.trainable}
     assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
+    # a launch group is one process count, and runs every layout once
+    assert sorted(lay for layouts in LAUNCH_GROUPS.values() for lay in layouts) == sorted(LAYOUTS)
+    assert all(len({LAYOUTS[lay][0] for lay in layouts}) == 1 for layouts in LAUNCH_GROUPS.values())
+    assert all(RESUME_AS[t][0] == LAYOUTS[LAUNCH_GROUPS[g][0]][0] for t, g in RESUME_HOSTS.items())
 
 
 def test_document_masking_is_not_a_no_op(root, cache_dir):
@@ -185,22 +222,36 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
 _resumed: dict[str, dict[str, str]] = {}
 
 
-def _resume(target: str, root: Path, cache_dir: Path) -> dict[str, str]:
-    """Every stopped run that resumes as ``target``, in one launch (memoised): ``<source>/<case>`` -> status."""
-    if target not in _resumed:
-        nproc, extra = RESUME_AS[target]
-        extra = extra | {"checkpoint.every": RESUME_AT}
-        runs = {}
-        for source, targets in RESUMES.items():
-            if target not in targets:
-                continue
-            status = _launch(source, root, cache_dir)
+def _resume_runs(target: str, root: Path, cache_dir: Path) -> list[tuple[str, list[str]]]:
+    """(``<source>/<case>``, arguments) of every stopped run that resumes as ``target``, each in a copy of the stopped
+    run directory (``--copy-run``: made when the run starts, after the stop in a launch that hosts both)."""
+    _, extra = RESUME_AS[target]
+    extra = extra | {"checkpoint.every": RESUME_AT}
+    runs = []
+    for source, targets in RESUMES.items():
+        if target in targets:
             for case in RESUME_CASES:
-                assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
                 run_dir = _run_dir(root, f"resume_{target}", f"{source}/{case}")
-                shutil.copytree(_run_dir(root, source, f"stopped/{case}"), run_dir)
-                runs[f"{source}/{case}"] = overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra})
-        _resumed[target] = run_sequence(nproc, runs, root / f"resume_{target}.status.json", timeout=600)
+                copy = ["--copy-run", str(_run_dir(root, source, f"stopped/{case}"))]
+                runs.append(
+                    (f"{source}/{case}", copy + overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra}))
+                )
+    return runs
+
+
+def _resume(target: str, root: Path, cache_dir: Path) -> dict[str, str]:
+    """Every stopped run that resumes as ``target`` (memoised): ``<source>/<case>`` -> status; in the launch of
+    ``RESUME_HOSTS``, else in one launch after the launches that stopped them."""
+    if target in RESUME_HOSTS:
+        return runs_of(f"resume_{target}", _group_launch(RESUME_HOSTS[target], root, cache_dir))
+    if target not in _resumed:
+        for source, targets in RESUMES.items():
+            if target in targets:
+                status = _launch(source, root, cache_dir)
+                for case in RESUME_CASES:
+                    assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
+        runs = dict(_resume_runs(target, root, cache_dir))
+        _resumed[target] = run_sequence(RESUME_AS[target][0], runs, root / f"resume_{target}.status.json", timeout=600)
     return _resumed[target]
 
 
