@@ -4,7 +4,7 @@ fp32.
 For every trainable attention variant (its distinct parameter sets, read from the registry as test_matrix.py does) on
 LLaMA blocks with GQA, full attention on a GPT-2 block (LayerNorm, biases, learned positions, a tied head split over the
 vocabulary, QK-norm): ``tp=2`` and ``cp=2`` (2 processes), ``dp=2 x tp=2`` and ``dp=2 x cp=2`` (4 processes, FSDP2 over
-dp, and over dp x cp; ``dp=2 x cp=2`` for the cases of ``LAYOUT_SUBSETS``) runs of 6 steps give the single-process
+dp, and over dp x cp; the 4-process layouts for the cases of ``LAYOUT_SUBSETS``) runs of 6 steps give the single-process
 run's training loss and gradient norm at every step within 1e-5 relative; so does full attention with document masking
 (GPT-2's learned and LLaMA's rotary positions restarting per document) under ``cp=2`` and ``tp=2``. Tensor parallelism
 runs with sequence parallelism (``train.parallel.sequence_parallel``, the default: the residual stream split on the
@@ -34,7 +34,7 @@ from tests.e2e.helpers import (
     worst_relative,
     write_summary,
 )
-from tests.e2e.test_matrix import SHAPE, variant_cases
+from tests.e2e.test_matrix import SHAPE, _parameter_set, variant_cases
 from tests.e2e.test_train_cli import overrides
 
 TOL = 1e-5  # relative
@@ -69,8 +69,14 @@ LAYOUTS = {  # label -> (processes, overrides)
 }
 # dp2_cp2 runs the cases whose variant reads replicated state in its CP path (full on GPT-2, Focus) rather than
 # every variant: the data-parallel dimension adds FSDP's sharding over dp x cp and the gradient reduction, which
-# see no variant code; each variant's CP path and its parameters sharded over the CP ranks are cp2's (issue 39)
-LAYOUT_SUBSETS = {"dp2_cp2": ("full/default", "focus/soft-prefix")}
+# see no variant code; each variant's CP path and its parameters sharded over the CP ranks are cp2's (issue 39).
+# dp2_tp2 runs full on GPT-2 (the tied head split over the vocabulary) and the cases whose variant has parameters of
+# its own (``variant_parameters``), which FSDP shards over dp on top of their TP placement; a variant without any
+# (focal's constant temperature, DGA) runs the backbone's 2-D sharding and its own TP path, which tp2 checks
+LAYOUT_SUBSETS = {
+    "dp2_cp2": ("full/default", "focus/soft-prefix"),
+    "dp2_tp2": ("full/default", "focal/learned-query", "focus/soft-prefix", "lazy/default"),
+}
 # the layouts that also run the DOCUMENTS cases: under tp=2 sequence parallelism splits the per-document positions
 WITH_DOCUMENTS = ("single", "cp2", "tp2")
 # label -> (the launch that hosts it, its overrides, its cases): layouts that ride in another launch of their
@@ -177,6 +183,14 @@ def summary(tmp_path_factory):
         print("\n" + "\n".join(lines) + f"\n(written to {md})")
 
 
+def variant_parameters(case: str) -> list[str]:
+    """The attention core's own parameters under ``case`` (centroids, temperatures, distance tables)."""
+    kind = CASES[case]["model.attention.kind"]
+    prefix = f"model.attention.{kind}."
+    options = {k.removeprefix(prefix): v for k, v in CASES[case].items() if k.startswith(prefix)}
+    return [name for name, _ in _parameter_set(kind, options) if ".core." in name]
+
+
 def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert {c.split("/")[0] for c in CASES} >= {k for k, e in registry.items() if e.cls.trainable}
     assert CASES["full/default"]["model.family"] == "gpt2" and CASES["full/default"]["model.qk_norm"]
@@ -184,6 +198,8 @@ def test_the_cases_cover_every_trainable_variant_and_both_families():
     assert sorted(lay for layouts in LAUNCH_GROUPS.values() for lay in layouts) == sorted(LAYOUTS)
     assert all(len({LAYOUTS[lay][0] for lay in layouts}) == 1 for layouts in LAUNCH_GROUPS.values())
     assert all(RESUME_AS[t][0] == LAYOUTS[LAUNCH_GROUPS[g][0]][0] for t, g in RESUME_HOSTS.items())
+    # dp2_tp2 keeps every case whose variant has parameters of its own (a new one joins it, or fails here)
+    assert {c for c in CASES if variant_parameters(c)} | {"full/default"} == set(LAYOUT_SUBSETS["dp2_tp2"])
 
 
 def test_document_masking_is_not_a_no_op(root, cache_dir):
