@@ -74,31 +74,31 @@ def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> N
 
 # Modules that share a session-scoped run (tests/pretrain/conftest.py's engine runs) go to one pytest-xdist worker.
 SHARED_RUNS = {"test_safe_loading.py": "engine-runs", "test_attacks.py": "engine-runs"}
-# Seconds of test time per xdist group, rounded from the CI-command runs of 2026-11-27 (docs/testing.md; the matrix's
-# after its one-launch-per-family change is an estimate from its own run): the
-# groups start longest first, so the last ones to start are short and the two workers finish together (pytest-xdist
-# orders groups by their number of tests, which put a few long launch modules last: about 80 s of one idle worker).
-# A group not listed starts after these, in collection order; the figures need only be roughly right.
+# Seconds of test time per xdist group, rounded from the CI-command run of 2026-11-27 (third session, docs/testing.md;
+# tensor parallelism and launch configs lowered for the changes after it): the groups start longest first, so the
+# last ones to start are short and the two workers finish together (pytest-xdist orders groups by their number of
+# tests, which put a few long launch modules last: about 80 s of one idle worker). A group not listed starts after
+# these, in collection order; the figures need only be roughly right.
 MEASURED_SECONDS = {
-    "tests/e2e/test_matrix.py": 250,
-    "tests/e2e/test_tensor_parallel.py": 210,
-    "engine-runs": 190,
-    "tests/e2e/test_train_cli.py": 130,
-    "tests/e2e/test_distributed.py": 120,
-    "tests/e2e/test_recipes.py": 115,
-    "tests/e2e/test_launch_configs.py": 115,
-    "tests/mutations/test_mutations.py": 95,
-    "tests/e2e/test_slurm.py": 80,
-    "tests/interop/test_hf.py": 70,
-    "tests/attention/test_compile_clean.py": 65,
-    "tests/e2e/test_stalled_rank.py": 65,
-    "tests/attention/focus/test_hard.py": 60,
-    "tests/interop/test_lm_eval.py": 60,
-    "tests/attention/test_compiled_block.py": 55,
-    "tests/e2e/test_data_cli.py": 50,
-    "tests/e2e/test_retrofit.py": 50,
-    "tests/e2e/test_cp_memory.py": 40,
-    "tests/e2e/test_fresh_install.py": 35,
+    "tests/e2e/test_distributed.py": 215,
+    "tests/e2e/test_matrix.py": 210,
+    "tests/e2e/test_tensor_parallel.py": 200,
+    "engine-runs": 170,
+    "tests/e2e/test_train_cli.py": 140,
+    "tests/e2e/test_launch_configs.py": 120,
+    "tests/e2e/test_recipes.py": 100,
+    "tests/mutations/test_mutations.py": 80,
+    "tests/attention/test_compile_clean.py": 70,
+    "tests/e2e/test_stalled_rank.py": 57,
+    "tests/e2e/test_slurm.py": 57,
+    "tests/interop/test_lm_eval.py": 55,
+    "tests/attention/test_compiled_block.py": 53,
+    "tests/e2e/test_retrofit.py": 52,
+    "tests/attention/focus/test_hard.py": 50,
+    "tests/e2e/test_data_cli.py": 49,
+    "tests/interop/test_hf.py": 44,
+    "tests/e2e/test_cp_memory.py": 43,
+    "tests/e2e/test_fresh_install.py": 36,
 }
 
 
