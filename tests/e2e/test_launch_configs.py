@@ -2,10 +2,10 @@
 source) combination that ``launch/configs/`` holds (the files, ``tiny*.toml`` among them, and every derived
 ``<preset>_<variant>.toml``: ``launch.presets.derived_names``; a derived config's full recomputation counts as its
 selective sibling's, ``DERIVED_RECOMPUTE``, and an eval-only variant's derived configs, which train as full
-attention, count as one), with only the shape shrunk (layers, width, vocabulary, sequence, batch, steps) and the data
-made local, runs two optimizer steps under its own engine: 2 gloo processes for the data-parallel engines, one for
-``single``. Precision and compile stay as configured (bf16 is CPU autocast here). A config that cannot start fails
-its combination's test.
+attention, count as one), with only the shape shrunk (layers, width, vocabulary, sequence, batch, steps, a streamed
+source's tokenizer sample) and the data made local, runs two optimizer steps under its own engine: 2 gloo processes
+for the data-parallel engines, one for ``single``. Precision and compile stay as configured (bf16 is CPU autocast
+here). A config that cannot start fails its combination's test.
 
 Local data: a named hub source reads a local mirror of its hub repo in the repo's own layout
 (``tests/data/mirrors.py``, from ``../shared/data``; without it, local text files under ``data.source = local``);
@@ -132,6 +132,8 @@ def shrunk(name: str, root: Path, cache_dir: Path) -> list[str]:
         "checkpoint.every": 0,
         "eval.every": 0,
         "eval.batches": 1,
+        # a streamed config trains its tokenizer on this many documents (gpt2-1.5b: 100,000, 40 s on the mirror)
+        "data.tokenizer_sample_docs": min(cfg.data.tokenizer_sample_docs, 500),
     }
     if (
         ParallelLayout.replica(train.parallel).model_parallel > 1
