@@ -281,7 +281,9 @@ def test_cpu_profile_ranks_operators_as_torch_does():
     ranks them; kernels, launches and synchronisations are n/a (None)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    x = torch.randn(96, 96, requires_grad=True)
+    # 256 wide: the matmuls outweigh the autograd engine's own self time on a loaded machine (at 96 wide
+    # "evaluate_function: MmBackward0" could come first, in torch's ranking and ours alike)
+    x = torch.randn(256, 256, requires_grad=True)
 
     def step():
         (x @ x @ x).relu().sum().backward()
@@ -297,7 +299,8 @@ def test_cpu_profile_ranks_operators_as_torch_does():
     assert summary["kernels"] is summary["syncs"] is summary["launch_calls"] is None
     theirs = max((e for e in prof.key_averages() if e.key != profiling.STEP), key=lambda e: e.self_cpu_time_total)
     mine = summary["top"][0]
-    assert mine["name"] == theirs.key == "aten::mm"
+    assert mine["name"] == theirs.key  # the same ranking as torch's, whatever comes first
+    assert mine["name"] == "aten::mm"
     # within 2%: torch nests a few children differently (a re-entered op folded into its parent), same totals
     assert mine["ms"] == pytest.approx(theirs.self_cpu_time_total / 2 / 1e3, rel=0.02)
     assert mine["calls"] == theirs.count / 2 == 6  # 2 forward, 4 backward
