@@ -33,7 +33,7 @@ from tests.e2e.helpers import (
     why,
     worst_relative,
 )
-from tests.e2e.test_matrix import ENGINE_CASES, SHAPE, VAL_SEQUENCES
+from tests.e2e.test_matrix import ENGINE_CASES, SHAPE, VAL_SEQUENCES, _nproc
 from tests.e2e.test_train_cli import overrides, train
 
 TOL = 1e-5
@@ -60,10 +60,6 @@ _launches: dict[int, dict[str, str]] = {}  # process count -> {"<label>: <run>":
 
 def _two_phase(engine: str) -> bool:
     return ENGINE_SPECS[ENGINE_LABELS[engine]["train.engine"]].changes_trainable
-
-
-def _nproc(engine: str) -> int:
-    return 2 if ENGINE_SPECS[ENGINE_LABELS[engine]["train.engine"]].distributed else 0
 
 
 @pytest.fixture(scope="module")

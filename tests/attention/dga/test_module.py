@@ -198,8 +198,7 @@ def test_causal_training_forward_compiles_in_one_graph_on_the_cpu():
 
     q, k, v, hidden = inputs(t=37)
     module = dga(selection="causal", chunk_size=8, **SMALL)
-    module.impl = "gathered"
-    eager = run(module, q, k, v, hidden, "gathered")
+    eager = run(module, q, k, v, hidden, "gathered")  # sets module.impl for the compiled calls too
     torch._dynamo.reset()
 
     def call(q, k, v, hidden, positions):
