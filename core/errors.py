@@ -14,6 +14,8 @@ import sys
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
+from core import collector
+
 
 class ConfigError(ValueError):
     """Invalid configuration or input, detected before any work starts."""
@@ -96,10 +98,12 @@ def check_range(
 
 def cli_errors(main: Callable[..., int | None]) -> Callable[..., int]:
     """A CLI's ``main``: a ``ConfigError``, or an optional package of ``EXTRAS`` found missing on import, becomes
-    ``error: <line>`` on stderr (the latter naming the extra to install) and exit code 2."""
+    ``error: <line>`` on stderr (the latter naming the extra to install) and exit code 2. The program runs under
+    the programs' garbage-collector thresholds (``core.collector``), set before its imports."""
 
     @functools.wraps(main)
     def run(*args: Any, **kwargs: Any) -> int:
+        collector.for_programs()
         try:
             return main(*args, **kwargs) or 0
         except ConfigError as exc:

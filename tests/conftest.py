@@ -41,6 +41,11 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
     )
+    # the test processes collect garbage as the programs they run do (0.5 s of full collections per process
+    # otherwise, and ~45 CPU-s in each xdist worker over the suite: issue 39)
+    from core import collector
+
+    collector.for_programs()
     _share_cores_between_workers(config)
     if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: groups start in the order collected (below)
         config.option.loadscopereorder = False
