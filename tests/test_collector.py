@@ -35,7 +35,10 @@ def test_the_training_program_imports_torch_under_the_programs_thresholds():
     probe = (
         "import gc, runpy, sys\n"
         "full = []\n"
-        "gc.callbacks.append(lambda phase, info: full.append(1) if phase == 'stop' and info['generation'] == 2 else 0)\n"
+        "def count(phase, info):\n"
+        "    if phase == 'stop' and info['generation'] == 2:\n"
+        "        full.append(1)\n"
+        "gc.callbacks.append(count)\n"
         "sys.argv = ['pretrain.train', '--help-config']\n"
         "try:\n"
         "    runpy.run_module('pretrain.train', run_name='__main__')\n"
