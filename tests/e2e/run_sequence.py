@@ -5,7 +5,9 @@ imports and the process group once per launch rather than once per run.
 SPEC: ``{"runs": {name: [["--config", FILE], ["--copy-run", DIR], "--set", "key=value", ...]}, "status": path}``
 (FILE: tiny.toml unless given; a derived ``<preset>_<variant>.toml`` works as with ``pretrain.train``; DIR: a run
 directory, usually an earlier run's of the same launch, that rank 0 copies to ``run.dir`` first, so a run stopped
-under one layout resumes under another in the same launch). Each run is what ``pretrain.train`` does
+under one layout resumes under another in the same launch; or one of its checkpoints, ``DIR/checkpoints/step_N``:
+the run directory as it stood after that checkpoint, the later ones left out, so a run resumes from an
+uninterrupted run's middle). Each run is what ``pretrain.train`` does
 (the standard callbacks, checkpoints, ``train.stop_at``, resume from the run directory's latest checkpoint),
 except that the process group stays up between runs. Rank 0 writes ``{name: "ok" | the error's last line}`` to
 the status file after every run, so one failing run is named and the ones after it still run, and each run's
@@ -47,19 +49,31 @@ def _train(args: list[str]) -> None:
 
 
 def _copy_run(source: Path, dest: Path) -> None:
-    """Rank 0 copies ``source`` to ``dest``; the others wait for it (the process group of the earlier runs)."""
+    """Rank 0 copies ``source`` to ``dest``; the others wait for it (the process group of the earlier runs). A
+    checkpoint as ``source`` copies its run directory without the checkpoints after it."""
     import shutil
 
     import torch.distributed as dist
 
+    def copy() -> None:
+        if source.parent.name != "checkpoints":
+            shutil.copytree(source, dest)
+            return
+        checkpoints = source.parent
+
+        def later(folder: str, names: list[str]) -> list[str]:  # step_%08d: zero-padded, so names sort as steps
+            return [n for n in names if Path(folder) == checkpoints and n.startswith("step_") and n > source.name]
+
+        shutil.copytree(checkpoints.parent, dest, ignore=later)
+
     if dist.is_initialized():
         if dist.get_rank() == 0:
-            shutil.copytree(source, dest)
+            copy()
         dist.barrier()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("--copy-run under torchrun needs an earlier run in the launch (its process group)")
     else:
-        shutil.copytree(source, dest)
+        copy()
 
 
 def main(spec_path: str) -> int:

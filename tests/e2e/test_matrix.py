@@ -6,10 +6,13 @@ with no edit here), on CPU: 2 gloo processes for the data-parallel engines.
 - Engines: each registered engine; fsdp2 also as HSDP (2 replicas x 1 shard), deepspeed as ZeRO 1, 2 and 3; and
   activation checkpointing (full, selective) and ``train.compile`` under fsdp2 (``BLOCK_ENGINES``).
 - Per (variant, engine): the losses of an uninterrupted 6-step run (training losses per step and the final
-  validation loss) equal the single-process run's to 1e-5 relative, and a run stopped at step 3
-  (``train.stop_at``) and resumed gives steps 4-6 bit for bit (loss and gradient norm), for every variant under
-  the engines that write different kinds of checkpoint (``RESUME_EVERY_VARIANT``) and for one variant under the
-  other engine options and under ``train.compile`` (``RESUME_ONE_VARIANT``, ``RESUME_UNDER_COMPILE``).
+  validation loss) equal the single-process run's to 1e-5 relative, and a new trainer resumed from that run's
+  step-3 checkpoint (a copy of its directory as it stood then: run_sequence's ``--copy-run`` of the checkpoint)
+  gives steps 4-6 bit for bit (loss and gradient norm), for every variant under the engines that write different
+  kinds of checkpoint (``RESUME_EVERY_VARIANT``) and for one variant under the other engine options and under
+  ``train.compile`` (``RESUME_ONE_VARIANT``, ``RESUME_UNDER_COMPILE``). Stopping itself (``train.stop_at``) is
+  test_tensor_parallel's, test_recipes' and test_train_cli's; here a separate stopped run per case repeated the
+  uninterrupted run's first steps (issue 39: a quarter of the matrix's runs).
 
 One launch per process count (one for the single-process engine, one for every data-parallel engine and option)
 runs every variant's runs in sequence (``tests/e2e/run_sequence.py``). The summary table (variant, engine, worst
@@ -29,6 +32,7 @@ from model.attention.common.base import SuiteCase
 from model.config import AttentionConfig
 from model.transformer import build_model
 from pretrain.engines import ENGINES
+from pretrain.resume_config import HISTORY_PREFIX
 from run.engines import ENGINE_SPECS
 from tests.conftest import small_model_config
 from tests.e2e.helpers import (
@@ -139,16 +143,14 @@ def _run_dir(root: Path, engine: str, variant: str, run: str) -> Path:
     return root / engine.replace("+", "_") / variant.replace("/", "_") / run
 
 
-def _runs(engine: str, variant: str) -> list[tuple[str, dict]]:
-    """The runs of (engine, variant): uninterrupted, then stopped at STOP and resumed (see RESUME_UNDER_COMPILE)."""
-    runs: list[tuple[str, dict]] = [("full", {})]
+def _runs(engine: str, variant: str) -> list[str]:
+    """The runs of (engine, variant): uninterrupted, then resumed from its step-STOP checkpoint where this pair
+    checks resume (see RESUME_EVERY_VARIANT, RESUME_UNDER_COMPILE)."""
     if engine.endswith("+compile"):
         resumes = variant == RESUME_UNDER_COMPILE
     else:
         resumes = engine in RESUME_EVERY_VARIANT or variant == RESUME_ONE_VARIANT
-    if resumes:
-        runs += [("stop", {"train.stop_at": STOP}), ("resume", {})]
-    return runs
+    return ["full", "resume"] if resumes else ["full"]
 
 
 def _nproc(engine: str) -> int:
@@ -169,11 +171,16 @@ def _launch(engine: str, root: Path, cache_dir: Path) -> dict[str, str]:
                 continue  # (a deepspeed label's tests skip without it)
             extra = {**extra, "eval.batch_size": VAL_SEQUENCES // max(nproc, 1)}
             for variant, options in VARIANTS.items():
-                for run, more in _runs(label, variant):
-                    run_dir = _run_dir(root, label, variant, "full" if run == "full" else "stopped")
-                    out[f"{label}: {variant} {run}"] = overrides(
-                        run_dir, cache_dir, **SHAPE, **options, **extra, **more
-                    )
+                runs = _runs(label, variant)
+                # a resumed pair's uninterrupted run also saves at STOP (the checkpoint the resume starts from)
+                saves = {"checkpoint.every": STOP} if "resume" in runs else {}
+                full = _run_dir(root, label, variant, "full")
+                args = {**SHAPE, **options, **extra, **saves}
+                out[f"{label}: {variant} full"] = overrides(full, cache_dir, **args)
+                if "resume" in runs:
+                    resumed = overrides(_run_dir(root, label, variant, "resumed"), cache_dir, **args)
+                    step = full / "checkpoints" / f"step_{STOP:08d}"
+                    out[f"{label}: {variant} resume"] = ["--copy-run", str(step), *resumed]
         return out
 
     return runs_of(engine, shared_launch(_launches, nproc, nproc, runs, root / f"nproc{nproc}.status.json"))
@@ -203,7 +210,7 @@ def test_the_matrix_covers_every_trainable_variant_and_engine():
     assert {"single", "ddp", "fsdp2", "hsdp", "zero1", "zero2", "zero3"} <= ENGINE_CASES.keys()
     assert set(RESUME_EVERY_VARIANT) <= ENGINE_CASES.keys() and RESUME_ONE_VARIANT in VARIANTS
     # every engine resumes something, and every variant resumes under every kind of checkpoint
-    assert all(any("resume" in dict(_runs(e, v)) for v in VARIANTS) for e in ENGINE_CASES)
+    assert all(any("resume" in _runs(e, v) for v in VARIANTS) for e in ENGINE_CASES)
 
 
 @pytest.mark.parametrize(("engine", "variant"), [(e, v) for e in ENGINE_CASES for v in VARIANTS])
@@ -212,7 +219,7 @@ def test_variant_under_engine(engine, variant, root, cache_dir):
         pytest.skip("deepspeed is not installed (pip install -e '.[deepspeed]')")
     row = SUMMARY.setdefault((variant, engine), {"worst": None, "resume": "no"})
     status = _launch(engine, root, cache_dir)
-    runs = [run for run, _ in _runs(engine, variant)]
+    runs = _runs(engine, variant)
     failed = {run: status[f"{variant} {run}"] for run in runs if status[f"{variant} {run}"] != "ok"}
     assert not failed, failed
     reference = _launch(REFERENCE, root, cache_dir)
@@ -226,7 +233,10 @@ def test_variant_under_engine(engine, variant, root, cache_dir):
         on = RESUME_UNDER_COMPILE if engine.endswith("+compile") else RESUME_ONE_VARIANT
         row["resume"] = f"not run (checked on {on})"
         return
-    resumed, uninterrupted = train_rows(_run_dir(root, engine, variant, "stopped")), train_rows(full)
+    resumed_dir = _run_dir(root, engine, variant, "resumed")
+    # a trainer that found no checkpoint would start afresh and give the same losses: it must have resumed
+    assert f"{HISTORY_PREFIX}{STOP}: " in (resumed_dir / "config.toml").read_text(), "not resumed from step 3"
+    resumed, uninterrupted = train_rows(resumed_dir), train_rows(full)
     exact = sorted(resumed) == list(range(1, STEPS + 1)) and all(
         (resumed[s]["loss"], resumed[s]["grad_norm"]) == (uninterrupted[s]["loss"], uninterrupted[s]["grad_norm"])
         for s in range(STOP + 1, STEPS + 1)
