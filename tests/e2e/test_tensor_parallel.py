@@ -11,8 +11,8 @@ runs with sequence parallelism (``train.parallel.sequence_parallel``, the defaul
 sequence over the TP ranks), and a few cases without it, with activation checkpointing, and under ``tp=2 x cp=2``
 (hosted in another layout's launch). One launch per process count runs every case of its layouts in sequence
 (tests/e2e/run_sequence.py; ``LAUNCH_GROUPS``). The loader is indexed by the data-parallel rank, so each layout trains
-on the same global batches; the CP ranks of a replica split each sequence. Runs stopped at step 3 under ``cp=2`` and
-``tp=2`` resume under another layout.
+on the same global batches; the CP ranks of a replica split each sequence. The step-3 checkpoints of the ``cp=2`` and
+``tp=2`` runs resume under another layout.
 """
 
 from __future__ import annotations
@@ -96,13 +96,14 @@ HOSTED = {
 # layouts of one process count share a launch, in this order (each run builds its own mesh; a launch costs about
 # 10 s of process start-up on 2 cores: issue 39)
 LAUNCH_GROUPS = {"single": ("single",), "two": ("tp2", "cp2"), "four": ("dp2_tp2", "dp2_cp2")}
-# runs stopped at step 3 (in the cp2 and tp2 launches) resume under another layout (DCP reshards); Focus: centroids,
-# a learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary under tp
+# the step-3 checkpoints of runs in the cp2 and tp2 launches resume under another layout (DCP reshards); Focus:
+# centroids, a learned lambda and the Sinkhorn routing state; full on GPT-2: the tied head split over the vocabulary
+# under tp
 RESUME_CASES = ("focus/soft-prefix", "full/default")
 RESUME_AT = 3
 RESUME_AS = {"tp2": (2, {"train.engine": "fsdp2", "train.parallel.tp": 2}), "single": (0, {})}
-RESUMES = {"cp2": ("tp2", "single"), "tp2": ("single",)}  # stopped under -> resumed as
-# resumed as tp2: at the end of the 2-process launch that stopped them (a copy of the stopped run directory each)
+RESUMES = {"cp2": ("tp2", "single"), "tp2": ("single",)}  # checkpointed under -> resumed as
+# resumed as tp2: at the end of the 2-process launch that wrote them (a copy of the run directory up to step 3 each)
 RESUME_HOSTS = {"tp2": "two"}
 _launches: dict[str, dict[str, str]] = {}
 SUMMARY: dict[tuple[str, str], dict[str, float]] = {}  # (layout, case) -> worst relative loss / grad_norm
@@ -149,8 +150,8 @@ def _group_launch(group: str, root: Path, cache_dir: Path) -> dict[str, str]:
 
 
 def _runs(layout: str, root: Path, cache_dir: Path) -> list[tuple[str, list[str]]]:
-    """(name, arguments) of every case under ``layout``: its cases, the document cases, the hosted layouts' and the
-    runs stopped to resume elsewhere."""
+    """(name, arguments) of every case under ``layout``: its cases (saving at ``RESUME_AT`` where another layout
+    resumes them), the document cases and the hosted layouts'."""
     _, extra = LAYOUTS[layout]
     cases = {case: CASES[case] for case in _cases(layout)}
     if layout in WITH_DOCUMENTS:
@@ -161,9 +162,8 @@ def _runs(layout: str, root: Path, cache_dir: Path) -> list[tuple[str, list[str]
     for label, (host, more, hosted) in HOSTED.items():
         if host == layout:
             cases |= {f"{label}/{case}": CASES[case] | more for case in hosted}
-    if layout in RESUMES:
-        stop = {"train.stop_at": RESUME_AT, "checkpoint.every": RESUME_AT}
-        cases |= {f"stopped/{case}": CASES[case] | stop for case in RESUME_CASES}
+    if layout in RESUMES:  # the checkpoint the other layouts resume from
+        cases |= {case: cases[case] | {"checkpoint.every": RESUME_AT} for case in RESUME_CASES}
     return [  # eval.batch_size 1: the same 2 validation sequences on every layout
         (case, overrides(_run_dir(root, layout, case), cache_dir, **{**SHAPE_TP, **options, **extra}))
         for case, options in cases.items()
@@ -239,8 +239,9 @@ _resumed: dict[str, dict[str, str]] = {}
 
 
 def _resume_runs(target: str, root: Path, cache_dir: Path) -> list[tuple[str, list[str]]]:
-    """(``<source>/<case>``, arguments) of every stopped run that resumes as ``target``, each in a copy of the stopped
-    run directory (``--copy-run``: made when the run starts, after the stop in a launch that hosts both)."""
+    """(``<source>/<case>``, arguments) of every run that resumes as ``target``: each in a copy of the source layout's
+    run directory as it stood after its step-``RESUME_AT`` checkpoint (``--copy-run`` of the checkpoint: made when
+    the run starts, after the source run in a launch that hosts both)."""
     _, extra = RESUME_AS[target]
     extra = extra | {"checkpoint.every": RESUME_AT}
     runs = []
@@ -248,7 +249,7 @@ def _resume_runs(target: str, root: Path, cache_dir: Path) -> list[tuple[str, li
         if target in targets:
             for case in RESUME_CASES:
                 run_dir = _run_dir(root, f"resume_{target}", f"{source}/{case}")
-                copy = ["--copy-run", str(_run_dir(root, source, f"stopped/{case}"))]
+                copy = ["--copy-run", str(_run_dir(root, source, case) / "checkpoints" / f"step_{RESUME_AT:08d}")]
                 runs.append(
                     (f"{source}/{case}", copy + overrides(run_dir, cache_dir, **{**SHAPE_TP, **CASES[case], **extra}))
                 )
@@ -256,8 +257,8 @@ def _resume_runs(target: str, root: Path, cache_dir: Path) -> list[tuple[str, li
 
 
 def _resume(target: str, root: Path, cache_dir: Path) -> dict[str, str]:
-    """Every stopped run that resumes as ``target`` (memoised): ``<source>/<case>`` -> status; in the launch of
-    ``RESUME_HOSTS``, else in one launch after the launches that stopped them."""
+    """Every run that resumes as ``target`` (memoised): ``<source>/<case>`` -> status; in the launch of
+    ``RESUME_HOSTS``, else in one launch after the launches that wrote the checkpoints."""
     if target in RESUME_HOSTS:
         return runs_of(f"resume_{target}", _group_launch(RESUME_HOSTS[target], root, cache_dir))
     if target not in _resumed:
@@ -265,16 +266,17 @@ def _resume(target: str, root: Path, cache_dir: Path) -> dict[str, str]:
             if target in targets:
                 status = _launch(source, root, cache_dir)
                 for case in RESUME_CASES:
-                    assert status[f"stopped/{case}"] == "ok", status[f"stopped/{case}"]
+                    assert status[case] == "ok", status[case]
         runs = dict(_resume_runs(target, root, cache_dir))
         _resumed[target] = run_sequence(RESUME_AS[target][0], runs, root / f"resume_{target}.status.json", timeout=600)
     return _resumed[target]
 
 
 @pytest.mark.parametrize(("source", "target"), [(s, t) for s, targets in RESUMES.items() for t in targets])
-def test_a_stopped_run_resumes_under_another_layout(source, target, root, cache_dir):
-    """Stopped at step 3 under cp=2 (resumed as tp=2 and as one process) or under tp=2 with sequence parallelism
-    (resumed as one process): steps 6-10 are the single-process run's."""
+def test_a_checkpoint_resumes_under_another_layout(source, target, root, cache_dir):
+    """Checkpointed at step 3 under cp=2 (resumed as tp=2 and as one process) or under tp=2 with sequence
+    parallelism (resumed as one process): steps 4-6 are the single-process run's. (Stopping under several ranks,
+    ``train.stop_at``, is test_recipes'; a stopped run per case here repeated its layout run's first steps.)"""
     resumed, reference = _resume(target, root, cache_dir), _launch("single", root, cache_dir)
     key = source.rstrip("0123456789")  # the degree the history line names: cp2 -> cp
     for case in RESUME_CASES:
