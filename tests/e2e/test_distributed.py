@@ -5,7 +5,7 @@ steps: same per-step losses, exact resume, and an FSDP2 run saved by 2 processes
 
 A resume is a real restart: a new launch on a copy of the uninterrupted run's directory as it stood after its step-5
 checkpoint (the later checkpoint removed; the trainer drops the metrics after the step it resumes from). Stopping
-itself (``train.stop_at``, signals) is the matrix's, test_train_cli's and test_attacks' (issue 39: one launch fewer
+itself (``train.stop_at``, signals) is test_recipes', test_train_cli's and test_attacks' (issue 39: one launch fewer
 per engine).
 
 Tolerance: |loss difference| <= 1e-5 (fp32). The global batch and its sequences are the same;
