@@ -42,7 +42,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
     )
     # the test processes collect garbage as the programs they run do (0.5 s of full collections per process
-    # otherwise, and ~45 CPU-s in each xdist worker over the suite: issue 39)
+    # otherwise, and 48 CPU-s in the two xdist workers together over the suite: issue 39)
     from core import collector
 
     collector.for_programs()

@@ -48,36 +48,40 @@ def _train(args: list[str]) -> None:
         raise RuntimeError(result.error or f"exit code {result.exit_code}")
 
 
-def _copy_run(source: Path, dest: Path) -> None:
-    """Rank 0 copies ``source`` to ``dest``; the others wait for it (the process group of the earlier runs). A
-    checkpoint as ``source`` copies its run directory without the checkpoints after it."""
+def copy_run(source: Path, dest: Path) -> None:
+    """``source`` (a run directory) copied to ``dest``; a checkpoint as ``source``, ``RUN/checkpoints/step_N``: its
+    run directory as it stood after that checkpoint, the later checkpoints left out."""
     import shutil
 
+    if source.parent.name != "checkpoints":
+        shutil.copytree(source, dest)
+        return
+    checkpoints = source.parent
+
+    def later(folder: str, names: list[str]) -> list[str]:  # step_%08d: zero-padded, so names sort as steps
+        return [n for n in names if Path(folder) == checkpoints and n.startswith("step_") and n > source.name]
+
+    shutil.copytree(checkpoints.parent, dest, ignore=later)
+
+
+def _copy_run(source: Path, dest: Path) -> None:
+    """Rank 0 runs ``copy_run``; the others wait for it (the process group of the earlier runs)."""
     import torch.distributed as dist
-
-    def copy() -> None:
-        if source.parent.name != "checkpoints":
-            shutil.copytree(source, dest)
-            return
-        checkpoints = source.parent
-
-        def later(folder: str, names: list[str]) -> list[str]:  # step_%08d: zero-padded, so names sort as steps
-            return [n for n in names if Path(folder) == checkpoints and n.startswith("step_") and n > source.name]
-
-        shutil.copytree(checkpoints.parent, dest, ignore=later)
 
     if dist.is_initialized():
         if dist.get_rank() == 0:
-            copy()
+            copy_run(source, dest)
         dist.barrier()
     elif int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise RuntimeError("--copy-run under torchrun needs an earlier run in the launch (its process group)")
     else:
-        copy()
+        copy_run(source, dest)
 
 
 def main(spec_path: str) -> int:
-    collector.for_programs()  # as pretrain.train's main (cli_errors) does, before the imports
+    # as pretrain.train's main (cli_errors) does; torch itself came with this module's imports (two cheap full
+    # collections), its compiler stack, where the costly ones were, comes with the first run
+    collector.for_programs()
     import torch.distributed as dist
 
     spec = json.loads(Path(spec_path).read_text())
@@ -93,7 +97,8 @@ def main(spec_path: str) -> int:
             status[name] = f"{type(exc).__name__}: {last}"
             traceback.print_exc()
         # what survives a run (modules, caches) is never rescanned: without this, each later run's full
-        # collections walked every earlier run's survivors (the matrix's single-process launch: 14.2 -> 4.7 s)
+        # collections walked every earlier run's survivors (the matrix's 18 single-process runs, with the
+        # thresholds above: 6.6-7.4 -> 4.2-4.6 s)
         gc.collect()
         gc.freeze()
         seconds[name] = round(time.perf_counter() - start, 2)

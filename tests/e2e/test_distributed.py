@@ -25,6 +25,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.e2e.helpers import HAVE_DEEPSPEED, all_losses, torchrun, why
+from tests.e2e.run_sequence import copy_run
 from tests.e2e.test_train_cli import losses, overrides, train
 
 TOL = 1e-5
@@ -135,9 +136,9 @@ def test_consolidated_weights_evaluate_like_the_single_run(engine_runs, single, 
     assert abs(results[label] - results["single"]) <= TOL, results
 
 
-def stopped_at_half(run: Path, dest: Path) -> Path:
-    """``run``'s directory as it stood after its step-``HALF`` checkpoint: copied without the later checkpoint."""
-    shutil.copytree(run, dest, ignore=shutil.ignore_patterns(f"step_{STEPS:08d}"))
+def at_half(run: Path, dest: Path) -> Path:
+    """``run``'s directory as it stood after its step-``HALF`` checkpoint, copied to ``dest``."""
+    copy_run(run / "checkpoints" / f"step_{HALF:08d}", dest)
     assert sorted(p.name for p in (dest / "checkpoints").iterdir()) == [f"step_{HALF:08d}"]
     return dest
 
@@ -145,7 +146,7 @@ def stopped_at_half(run: Path, dest: Path) -> Path:
 @pytest.mark.parametrize("label", ["ddp", "fsdp2", "zero3"])
 def test_exact_resume(engine_runs, tmp_path, cache_dir, label):
     needs(label)
-    run_dir = stopped_at_half(engine_runs[label], tmp_path / "run")
+    run_dir = at_half(engine_runs[label], tmp_path / "run")
     second = torchrun(2, config(run_dir, cache_dir, **ENGINES[label]))
     assert second.returncode == 0, why(second)
     assert "resumed from" in second.stdout and f"step_{HALF:08d}" in second.stdout
@@ -157,7 +158,7 @@ def test_exact_resume(engine_runs, tmp_path, cache_dir, label):
 
 
 def test_fsdp2_saved_by_two_processes_resumes_on_one(engine_runs, tmp_path, cache_dir):
-    run_dir = stopped_at_half(engine_runs["fsdp2"], tmp_path / "run")
+    run_dir = at_half(engine_runs["fsdp2"], tmp_path / "run")
     second = torchrun(1, config(run_dir, cache_dir, **{"train.engine": "fsdp2"}))
     assert second.returncode == 0, why(second)
     assert "resumed from" in second.stdout
