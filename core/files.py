@@ -38,6 +38,21 @@ def atomic_directory(out: Path) -> Iterator[Path]:
         raise
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(*paths: str | Path) -> None:
+    """Give files the mode any other file of the process gets (``0o666 & ~umask``): safetensors writes its files
+    0600 (a private temporary file, renamed), so checkpoints and exports would otherwise be unreadable by the
+    group that reads the rest of the run."""
+    mode = 0o666 & ~_umask()
+    for path in paths:
+        os.chmod(path, mode)
+
+
 def fsync_dir(path: str | Path) -> None:
     """Persist a directory's entries (a rename into it, say)."""
     fd = os.open(path, os.O_RDONLY)

@@ -34,7 +34,7 @@ import torch
 
 from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError, cli_errors
-from core.files import atomic_directory
+from core.files import atomic_directory, plain_mode
 from run import checkpoint as ckpt
 
 FORMAT = "focused-pretrain/variant-parameters/1"
@@ -111,6 +111,7 @@ def export_adapter(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     save_file(tensors, str(tmp), metadata=metadata)
+    plain_mode(tmp)
     os.replace(tmp, out)
     return out, len(tensors), sum(t.numel() for t in tensors.values())
 
@@ -216,6 +217,7 @@ def apply_adapter(
 
     with atomic_directory(out) as tmp:
         save_model(model, str(tmp / ckpt.MODEL_FILE))
+        plain_mode(tmp / ckpt.MODEL_FILE)
         load_tokenizer(ckpt.tokenizer_file(path)).save(tmp)
         tokenizer = load_tokenizer(ckpt.tokenizer_file(tmp)).fingerprint  # what data.tokenizer = out loads
         trainer_state = {

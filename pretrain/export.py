@@ -34,7 +34,7 @@ import torch
 
 from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError, cli_errors, require
-from core.files import atomic_directory
+from core.files import atomic_directory, plain_mode
 from pretrain import checkpoint as ckpt
 from run.checkpoint import verify_checkpoint
 
@@ -78,6 +78,7 @@ def export(path: Path, out: Path, *, dtype: str = "fp32") -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     save_file(weights, str(tmp), metadata=metadata)
+    plain_mode(tmp)
     os.replace(tmp, out)
     return out
 

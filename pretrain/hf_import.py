@@ -40,7 +40,7 @@ import torch
 
 from core import configlib
 from core.errors import ConfigError, OneLineParser, cli_errors
-from core.files import atomic_directory
+from core.files import atomic_directory, plain_mode
 
 if TYPE_CHECKING:
     from model.config import ModelConfig
@@ -191,6 +191,7 @@ def _import(
 
     with atomic_directory(import_dir) as tmp:  # run_dir made too
         save_model(model, str(tmp / "model.safetensors"))
+        plain_mode(tmp / "model.safetensors")
         tok.save(tmp)
         shutil.copyfile(hf_path / "config.json", tmp / "hf_config.json")
         fingerprint = load_tokenizer(tmp).fingerprint  # what the run will load as data.tokenizer

@@ -11,6 +11,7 @@ import torch
 from torch import Tensor
 
 from core.errors import ConfigError
+from core.files import plain_mode
 from model.config import ModelConfig
 from model.hf.configs import (
     CUSTOM_WEIGHTS,
@@ -277,6 +278,7 @@ def save_hf_weights(
     )
     split = split_torch_state_dict_into_shards(state, filename_pattern=pattern, max_shard_size=max_shard_size)
     files = sorted(split.filename_to_tensors)
+    plain_mode(*(Path(out) / f for f in files))
     if split.is_sharded:
         files.append(f"{stem}.safetensors.index.json")
     return files

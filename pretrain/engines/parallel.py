@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from core.device import resolve_device
 from core.errors import ConfigError
+from core.files import plain_mode
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
 from pretrain.engines.parallelize import apply_ddp, parallelize
@@ -190,6 +191,7 @@ class DataParallelEngine(Engine):
         from safetensors.torch import save_file
 
         save_file(untie(full, self.raw_model), str(directory / MODEL_FILE))
+        plain_mode(directory / MODEL_FILE)
         torch.save(self.scheduler.state_dict(), directory / SCHEDULER_FILE)
 
     def read_state(self, directory: Path) -> None:

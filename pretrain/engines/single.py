@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from core.files import plain_mode
 from pretrain.checkpoint import MODEL_FILE, load_weights
 from pretrain.engines.base import Engine
 from pretrain.engines.parallel import DCP_DIR, read_dcp_state
@@ -24,6 +25,7 @@ class SingleEngine(Engine):
         from safetensors.torch import save_model
 
         save_model(self.raw_model, str(directory / MODEL_FILE))
+        plain_mode(directory / MODEL_FILE)
         torch.save(
             {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
             directory / OPTIMIZER_FILE,

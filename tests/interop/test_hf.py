@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -330,6 +331,9 @@ def test_export_bf16_sharded_and_refuses_non_empty_out(tmp_path, sp_model):
     assert all(t.dtype == torch.bfloat16 for t in ours.values())
     with pytest.raises(ConfigError, match="exists and is not an empty directory"):
         export_hf(path, out, log=lambda _: None)
+    # the weight shards get the mode of the export's other files (safetensors alone writes 0600)
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()}
+    assert set(modes.values()) == {modes["config.json"]}, modes
 
 
 def test_variant_export_is_refused_or_explicit_and_imports_back(tmp_path, sp_model):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import stat
 import time
 
 import pytest
@@ -53,6 +54,9 @@ def test_every_file_has_its_checksum_in_the_manifest(stopped_at_4):
     assert sorted(meta["checksums"]) == files == sorted(meta["files"])
     for name in files:
         assert meta["checksums"][name] == checksums.file_digest(latest / name)
+    # every file gets the process's usual mode (safetensors writes its own 0600 unless told otherwise)
+    modes = {name: stat.S_IMODE((latest / name).stat().st_mode) for name in [*files, "meta.json"]}
+    assert set(modes.values()) == {modes["meta.json"]} and modes["meta.json"] & 0o044, modes
 
 
 def _files(run_dir):
