@@ -86,9 +86,7 @@ def report(estimates: list[Estimate], chosen: Estimate | None, cfg: RunConfig, g
             f"{_gib(s.optimizer)} {_gib(e.activations)} {_gib(e.working)} {_gib(e.total)}  "
             f"{'yes' if e.fits else 'no '}{mark}"
         )
-    if chosen is None:
-        lines.append("no layout fits, even at micro-batch 1: raise --gpus or lower data.seq_len")
-    else:
+    if chosen is not None:
         lay = chosen.layout
         lines.append(
             f"picked {lay.label()} (dp_replicate {lay.dp_replicate}, dp_shard {lay.dp_shard}, cp {lay.cp}, "
@@ -187,9 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         chosen = pick(estimates)
         print(report(estimates, chosen, cfg, args.gpus, memory))
+        if chosen is None:  # the table says what each layout needs; the exit status says that none fits
+            raise ConfigError(
+                f"--gpus: no layout of {args.gpus} x {args.gpu_memory} fits, even at micro-batch 1: raise --gpus or "
+                f"--gpu-memory, or lower data.seq_len{' (nothing written to --emit)' if args.emit else ''}"
+            )
         if args.emit:
-            if chosen is None:
-                raise ConfigError("--emit: no layout fits, nothing to write")
             raw = raw_run_config(args.config)
             for assignment in args.overrides:
                 configlib.apply_override(raw, assignment)

@@ -167,6 +167,19 @@ def test_the_readme_plans_a_7b_model_at_32k_on_64_gpus_and_picks_the_shipped_con
     assert picked.startswith("picked ") and picked in (CONFIG_DIR / "llama-7b-32k.toml").read_text()
 
 
+@pytest.mark.parametrize("emit", [False, True], ids=["print", "emit"])
+def test_no_layout_fitting_is_exit_2_after_the_table(emit, capsys, tmp_path):
+    """A plan where nothing fits prints its table (what each layout needs), then one error line, exit 2: a script
+    that checks the exit status stops there, with or without --emit (which then writes nothing)."""
+    argv = ["--config", str(CONFIG_DIR / "llama-7b.toml"), "--gpus", "8", "--gpu-memory", "16GiB"]
+    emitted = tmp_path / "plan.toml"
+    assert planner.main([*argv, *(["--emit", str(emitted)] if emit else [])]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --gpus: no layout of 8 x 16GiB fits"), err
+    assert " no" in captured.out and "picked" not in captured.out and not emitted.exists()
+
+
 def test_a_length_past_the_model_names_the_keys_that_change_it(capsys):
     argv = ["--config", str(CONFIG_DIR / "llama-7b.toml"), "--gpus", "64", "--gpu-memory", "80GiB"]
     assert planner.main([*argv, "--set", "data.seq_len=32768"]) == 2
