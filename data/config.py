@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,13 +41,41 @@ def custom_code(folder: Path) -> str:
     tokenizer's: a focused export's folder keeps it)."""
     for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
         try:
-            config = json.loads((folder / name).read_text(encoding="utf-8"))
+            # utf-8-sig: a byte-order mark must not hide an auto_map (json.loads refuses one, and was skipped)
+            config = json.loads((folder / name).read_text(encoding="utf-8-sig"))
         except (OSError, ValueError):
             continue
         auto_map = config.get("auto_map") if isinstance(config, dict) else None
         if auto_map and (key is None or not isinstance(auto_map, dict) or key in auto_map):
             return f"auto_map in {name}"
     return ""
+
+
+# a Hugging Face tokenizer folder's settings, copied along with its tokenizer file (config.json is read, not copied)
+HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
+COMPANIONS = (*HF_COMPANIONS, "config.json")
+
+
+def check_companions(folder: Path, names: tuple[str, ...]) -> None:
+    """Each of ``names`` in ``folder`` is absent, or a regular file inside ``folder`` (a link is followed only within
+    it: one out of it would copy outside content into every checkpoint and export), and a ``.json`` one parses (a
+    byte-order mark allowed). Checked by ``lstat`` / ``stat`` alone: nothing is opened that is not a regular file."""
+    for name in names:
+        file = folder / name
+        if not os.path.lexists(file):
+            continue
+        target = file.resolve()
+        if not target.is_relative_to(folder.resolve()):
+            raise ConfigError(
+                f"data.tokenizer: {file} is a link to {target}, outside the folder; copy the file into {folder}"
+            )
+        if not target.is_file():
+            raise ConfigError(f"data.tokenizer: {file} is not a regular file")
+        if file.suffix == ".json":
+            try:
+                json.loads(target.read_text(encoding="utf-8-sig"))
+            except (ValueError, OSError) as exc:
+                raise ConfigError(f"data.tokenizer: {file} is not valid JSON ({exc})") from None
 
 
 def custom_code_line(folder: Path, where: str) -> str:
@@ -170,7 +199,10 @@ class DataConfig:
                     ".tiktoken file"
                 )
             folder = path if path.is_dir() else path.parent
-            where = custom_code(folder) if path.is_dir() or path.name in ("tokenizer.json", "tokenizer.model") else ""
+            in_folder = path.is_dir() or path.name in ("tokenizer.json", "tokenizer.model")
+            if in_folder:  # its companions travel with it: checked before any is opened
+                check_companions(folder, COMPANIONS)
+            where = custom_code(folder) if in_folder else ""
             if where:  # checked here too, so that --dry-run says it (data/tokenizer.py refuses it when loading)
                 raise ConfigError(custom_code_line(folder, where))
 

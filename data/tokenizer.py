@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from core.errors import ConfigError, OneLineParser, cli_errors, require
-from data.config import MIN_TRAINED_VOCAB, DataConfig, custom_code, custom_code_line
+from data.config import (
+    COMPANIONS,
+    HF_COMPANIONS,
+    MIN_TRAINED_VOCAB,
+    DataConfig,
+    check_companions,
+    custom_code,
+    custom_code_line,
+)
 
 EOS_CANDIDATES = ("</s>", "<|endoftext|>", "<eos>", "<|end_of_text|>")
 BOS_CANDIDATES = ("<s>", "<|begin_of_text|>", "<bos>")
@@ -201,8 +209,6 @@ class TiktokenTokenizer(Tokenizer):
 
 
 TOKENIZER_FILES = "a SentencePiece .model, a tokenizer.json or a tiktoken ranks file (.tiktoken)"
-# a Hugging Face tokenizer folder's settings, copied along with its tokenizer file
-HF_COMPANIONS = ("tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "chat_template.jinja")
 
 
 def _token_name(value: object) -> str | None:
@@ -222,7 +228,7 @@ def hf_special_tokens(folder: Path) -> dict[str, str]:
         if not file.is_file():
             continue
         try:
-            data = json.loads(file.read_text(encoding="utf-8"))
+            data = json.loads(file.read_text(encoding="utf-8-sig"))
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ConfigError(f"data.tokenizer: {file} is not valid JSON ({exc})") from None
         for key in ("eos_token", "bos_token"):
@@ -234,7 +240,9 @@ def hf_special_tokens(folder: Path) -> dict[str, str]:
 
 def _companions(folder: Path) -> tuple[Path, ...]:
     """The Hugging Face files beside a tokenizer that travel with it (into checkpoints and exports): refused when
-    they name custom code (``data.config.custom_code``), so that no ``auto_map`` ever travels."""
+    they name custom code (``data.config.custom_code``), so that no ``auto_map`` ever travels, and when one is not a
+    file of the folder itself (a link out of it would copy outside content into every checkpoint and export)."""
+    check_companions(folder, COMPANIONS)
     where = custom_code(folder)
     if where:
         raise ConfigError(custom_code_line(folder, where))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core.errors import ConfigError
 from launch import plan as planner
 from pretrain import hf_import, train
 from run.config import load_run_config
@@ -239,3 +240,49 @@ def test_a_tokenizer_folder_naming_custom_code_is_refused_whether_or_not_tokeniz
         if path.exists():
             with pytest.raises(Exception, match="names custom code"):
                 load_tokenizer(path)
+
+
+# issue 50: a tokenizer_config.json that starts with a UTF-8 byte-order mark, or is a link to a file outside its folder,
+# was copied into the run (its auto_map and the outside content included)
+FOLDER_CASES = {
+    "bom-auto-map": ("auto_map in tokenizer_config.json",),
+    "link-outside": ("is a link to", "outside the folder"),
+    "not-json": ("is not valid JSON",),
+}
+
+
+@pytest.mark.parametrize("case", list(FOLDER_CASES))
+def test_a_tokenizer_folder_with_a_bom_or_a_link_out_is_one_line(case, tmp_path, tokenizer_json, capsys):
+    from data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tokenizer_json)
+    config = folder / "tokenizer_config.json"
+    if case == "bom-auto-map":
+        config.write_bytes(b"\xef\xbb\xbf" + json.dumps({"auto_map": AUTO_MAP}).encode())
+    elif case == "link-outside":
+        secret = tmp_path / "secret.json"
+        secret.write_text(json.dumps({"eos_token": "</s>", "note": "outside content"}))
+        config.symlink_to(secret)
+    else:
+        config.write_text("{not json")
+    args = ["--config", TINY, "--dry-run", "--set", f"data.tokenizer={folder}", "--set", f"run.dir={tmp_path}/run"]
+    one_line(capsys, train.main(args), "data.tokenizer", str(folder), *FOLDER_CASES[case])
+    with pytest.raises(ConfigError, match=FOLDER_CASES[case][0]):
+        load_tokenizer(folder)
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bom_or_a_link_inside_the_folder_is_read_as_the_file(tmp_path, tokenizer_json):
+    """What is allowed: a byte-order mark on a valid config, and a link to a file of the folder itself."""
+    from data.tokenizer import load_tokenizer
+
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_bytes(tokenizer_json)
+    (folder / "real.json").write_text(json.dumps({"model_type": "llama"}))
+    (folder / "config.json").symlink_to(folder / "real.json")
+    (folder / "tokenizer_config.json").write_bytes(b"\xef\xbb\xbf" + json.dumps({"model_max_length": 64}).encode())
+    tok = load_tokenizer(folder)
+    assert [p.name for p in tok.companions] == ["tokenizer_config.json"]
