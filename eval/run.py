@@ -515,6 +515,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(
                     f"ppl: validation loss {results['ppl']['loss']:.4f} | perplexity "
                     f"{results['ppl']['perplexity']:.2f} over {results['ppl']['tokens']:,} tokens"
+                    + (" (the whole validation split)" if not args.limit else f" (--limit {args.limit})")
                 )
             elif task == "sample":
                 results["sample"] = task_sample(

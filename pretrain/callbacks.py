@@ -11,36 +11,15 @@ marker the SLURM script requeues on).
 from __future__ import annotations
 
 import time
-from pathlib import Path
 from typing import Any
 
 from core.files import atomic_write_text
+from pretrain.hooks import Callback, Trainer
 from pretrain.loggers import format_duration
 from pretrain.metrics import memory_gib
+from pretrain.profiling import Profiler
 from pretrain.signals import PREEMPTED_MARKER
 from run.config import RunConfig
-
-# pretrain.loop.Trainer, which imports this module (the layering contract forbids the cycle even for types)
-Trainer = Any
-
-
-class Callback:
-    """Every hook is optional; the defaults do nothing."""
-
-    def pre_train(self, trainer: Trainer) -> None:
-        pass
-
-    def pre_step(self, trainer: Trainer) -> None:
-        pass
-
-    def post_step(self, trainer: Trainer, record: dict[str, Any]) -> None:
-        pass
-
-    def post_checkpoint(self, trainer: Trainer, path: Path) -> None:
-        pass
-
-    def post_train(self, trainer: Trainer) -> None:
-        pass
 
 
 class Throughput(Callback):
@@ -148,8 +127,11 @@ class FinalReport(Callback):
             return
         if trainer.last_val is not None and trainer.engine.is_main:
             entropy = trainer.corpus.unigram_entropy
+            # eval.batches of the validation split: eval.run --tasks ppl scores all of it (its figure differs a little)
             print(
-                f"final validation loss {trainer.last_val:.4f} | perplexity {perplexity(trainer.last_val):.2f}"
+                f"final validation loss {trainer.last_val:.4f} | perplexity {perplexity(trainer.last_val):.2f} over "
+                f"{trainer.last_val_tokens:,} tokens (eval.batches = {trainer.cfg.eval.batches}; eval.run --tasks ppl "
+                "scores the whole validation split)"
                 + (f" | corpus unigram entropy {entropy:.4f} nats" if entropy is not None else "")
             )
         if self.sample_tokens:
@@ -161,6 +143,8 @@ class FinalReport(Callback):
 def default_callbacks(cfg: RunConfig, *, report: bool = True) -> list[Callback]:
     """The standard set, in the order they must run. ``report``: print the final report."""
     callbacks: list[Callback] = [Throughput(), Validation(cfg.eval.every)]
+    if cfg.profile.start or cfg.profile.memory_snapshot != "none":
+        callbacks.insert(0, Profiler(cfg.profile))  # first: its trace covers the other callbacks' step work too
     if cfg.eval.tasks:
         callbacks.append(LmEvalTasks(cfg.eval.tasks_every or cfg.eval.every))
     callbacks += [Checkpointer(cfg.checkpoint.every), PreemptionMarker()]  # the marker after the checkpoint

@@ -111,6 +111,7 @@ class Trainer:
         self.timeout_key = "train.collective_timeout"
         self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
+        self.last_val_tokens = 0  # the target tokens last_val averages (eval.batches of the validation split)
         self.stop = cfg.train.stop_at or cfg.train.max_steps
         self.preempted = False
         self.error = ""  # a failure that stopped the run (non-finite values)
@@ -463,7 +464,7 @@ class Trainer:
             torch.tensor([local * count, float(count)], dtype=torch.float64, device=self.device)
         )
         loss = float(sums[0] / sums[1])
-        self.last_val = loss
+        self.last_val, self.last_val_tokens = loss, int(sums[1])
         self.loggers.log({"step": self.step, "val_loss": loss, "val_ppl": perplexity(loss)})
         self.loggers.console(f"step {self.step:>6} | val_loss {loss:.4f} | val_ppl {perplexity(loss):.2f}")
         return loss

@@ -20,7 +20,15 @@ import tomllib
 from core.errors import ConfigError
 
 REFUSE, HONOUR, LAUNCH, IGNORE = "refused", "honoured", "launch", "ignored"
-_SECTIONS = {"model": REFUSE, "data": REFUSE, "train": HONOUR, "checkpoint": HONOUR, "eval": HONOUR, "log": HONOUR}
+_SECTIONS = {
+    "model": REFUSE,
+    "data": REFUSE,
+    "train": HONOUR,
+    "checkpoint": HONOUR,
+    "eval": HONOUR,
+    "log": HONOUR,
+    "profile": LAUNCH,
+}
 _KEYS = {
     "data.cache_dir": LAUNCH,
     "data.num_workers": LAUNCH,

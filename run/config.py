@@ -256,6 +256,28 @@ class LogConfig:
         check_choice("log.wandb", self.wandb, WANDB_MODES)
 
 
+MEMORY_SNAPSHOTS = ("none", "traced", "oom", "both")
+
+
+@dataclass
+class ProfileConfig:
+    # torch.profiler trace of steps start .. start + steps - 1, written under <run.dir>/profile/ (TensorBoard's
+    # profiler plugin and Perfetto read it); 0 = no trace
+    start: int = 0
+    steps: int = 3  # steps traced from profile.start
+    all_ranks: bool = False  # trace every rank (default: rank 0 only)
+    # CUDA memory snapshot (pytorch.org/memory_viz) of the traced steps, when a CUDA out-of-memory error is raised,
+    # or both; CUDA runs only
+    memory_snapshot: str = "none"
+
+    def validate(self) -> None:
+        check_min("profile.start", self.start, 0, note=" (0 = no trace)")
+        check_range("profile.steps", self.steps, 1, 1000)
+        check_choice("profile.memory_snapshot", self.memory_snapshot, MEMORY_SNAPSHOTS)
+        if self.memory_snapshot in ("traced", "both") and not self.start:
+            raise ConfigError("profile.memory_snapshot: 'traced' snapshots the traced steps; set profile.start too")
+
+
 @dataclass
 class RunConfig:
     run: RunSection = field(default_factory=RunSection)
@@ -265,6 +287,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
     @property
     def run_dir(self) -> Path:
@@ -291,6 +314,7 @@ class RunConfig:
         self.checkpoint.validate()
         self.eval.validate()
         self.log.validate()
+        self.profile.validate()
         if self.data.seq_len > self.model.max_seq_len:
             raise ConfigError(self._length_message())
         tokens = self.train.batch_size * self.data.seq_len
