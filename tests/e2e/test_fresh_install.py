@@ -16,7 +16,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -42,6 +41,14 @@ def readme_demo_command() -> str:
 
 def readme_test_command() -> str:
     return _fenced_command("Tests (what `.ci/run` runs)")
+
+
+def readme_cpu_install_command() -> str:
+    return _fenced_command("On a machine without a CUDA GPU")
+
+
+def readme_smoke_command() -> str:
+    return _fenced_command("A smoke run")
 
 
 def _requirement_name(line: str) -> str:
@@ -136,29 +143,48 @@ def test_ci_runs_exactly_the_readme_test_command():
     assert command in [line.strip() for line in ci], f".ci/run does not run the README's test command {command!r}"
 
 
-def _demo_steps(run_dir: Path) -> list[list[str]]:
-    """The demo command's steps (pip install dropped), shrunk to a few training steps in ``run_dir``."""
-    steps = [shlex.split(part) for part in readme_demo_command().split("&&")]
-    assert steps[0][:2] == ["pip", "install"] and steps[0][-1] == ".", f"demo must install the base package: {steps[0]}"
-    train, evaluate = steps[1:]
-    assert train[:3] == ["python", "-m", "pretrain.train"] and evaluate[:3] == ["python", "-m", "eval.run"]
-    default_dir = evaluate[evaluate.index("--run") + 1]
-    train = train + ["--set", f"run.dir={run_dir}", "--set", "train.max_steps=4", "--set", "checkpoint.every=4"]
-    train += ["--set", "eval.every=4", "--set", "eval.batches=2", "--set", "train.log_every=2"]
-    evaluate = [str(run_dir) if arg == default_dir else arg for arg in evaluate]
-    return [[sys.executable, *train[1:]], [sys.executable, *evaluate[1:]]]
+def _smoke_steps() -> list[list[str]]:
+    """The README's smoke run, as written: the demo's own training and evaluation commands, shorter."""
+    demo = [shlex.split(part) for part in readme_demo_command().split("&&")]
+    assert demo[0][:2] == ["pip", "install"] and demo[0][-1] == ".", f"demo must install the base package: {demo[0]}"
+    steps = [shlex.split(part) for part in readme_smoke_command().split("&&")]
+    train, evaluate = steps
+    assert train[: len(demo[1])] == demo[1] and evaluate[:3] == demo[2][:3] == ["python", "-m", "eval.run"], steps
+    return [[sys.executable, *step[1:]] for step in steps]
+
+
+def test_readme_cpu_install_line_pins_setup_cfgs_torch_from_the_cpu_index():
+    argv = shlex.split(readme_cpu_install_command())
+    cfg = configparser.ConfigParser()
+    cfg.read(REPO / "setup.cfg")
+    pin = next(x.strip() for x in cfg["options"]["install_requires"].splitlines() if x.strip().startswith("torch=="))
+    assert argv[:3] == ["pip", "install", pin] and argv[3:] == ["--index-url", "https://download.pytorch.org/whl/cpu"]
 
 
 @pytest.mark.slow
-def test_readme_demo_runs_with_the_base_install_only(fresh_env, tmp_path):
-    run_dir = tmp_path / "runs" / "tiny"
+def test_readme_cpu_install_line_runs_as_written():
+    """With the pinned torch installed (as the demo's machine has it after this line), the line is a no-op that
+    asks no index: it runs as written, with this interpreter's pip."""
+    argv = shlex.split(readme_cpu_install_command())
+    proc = subprocess.run([sys.executable, "-m", *argv], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "Requirement already satisfied: torch==" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_readme_smoke_run_runs_as_written_with_the_base_install_only(fresh_env, tmp_path):
+    """The README's smoke run, as written (its relative paths in a folder with ``launch`` linked), on a base install:
+    the demo's training shortened to 20 steps with a checkpoint, then its evaluation."""
+    (tmp_path / "launch").symlink_to(REPO / "launch", target_is_directory=True)
+    run_dir = tmp_path / "runs" / "smoke"
     outputs = []
-    for argv in _demo_steps(run_dir):
-        proc = subprocess.run(argv, cwd=REPO, env=fresh_env, capture_output=True, text=True, timeout=900)
+    for argv in _smoke_steps():
+        proc = subprocess.run(argv, cwd=tmp_path, env=fresh_env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, f"{' '.join(argv[1:4])} exited {proc.returncode}:\n{proc.stderr[-3000:]}"
         outputs.append(proc.stdout)
-    assert "sample:" in outputs[0]
-    assert re.search(r"perplexity \d", outputs[1]), outputs[1]
+    assert "sample:" in outputs[0] and (run_dir / "checkpoints" / "step_00000020").is_dir()
+    # the two validation figures say what each scores (eval.batches of the split, then all of it)
+    assert "(eval.batches = 8; eval.run --tasks ppl scores the whole validation split)" in outputs[0], outputs[0]
+    assert re.search(r"perplexity \d.* \(the whole validation split\)", outputs[1]), outputs[1]
     results = json.loads(next((run_dir / "eval").glob("*.json")).read_text())
     assert results["ppl"]["perplexity"] > 1 and results["sample"]["text"]
     assert (run_dir / "eval").glob("*.png"), "the loss-curve plot is part of the demo path"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import stat
 import subprocess
 import sys
@@ -440,3 +441,41 @@ def test_import_cli_starts_a_run_that_trains_and_evaluates(tmp_path, bpe_folder,
     assert "resumed from" in trained.stdout and latest_checkpoint(run).name == "step_00000002", trained.stdout
     evaluated = _cli("eval.run", "--run", str(run), "--tasks", "ppl", "--limit", "2")
     assert "ppl: validation loss" in evaluated.stdout
+
+
+def _readme_hf_lines() -> list[str]:
+    """The command lines of the README's "Hugging Face in and out" block, up to the import (comments dropped)."""
+    text = (REPO / "README.md").read_text()
+    section = text.split("\n### Hugging Face in and out\n", 1)[1]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("   #", 1)[0].strip() for line in block.splitlines()]
+    lines = [line for line in lines if line and not line.startswith("#")]
+    return lines[: next(i for i, line in enumerate(lines) if "pretrain.hf_import" in line)]
+
+
+@pytest.mark.slow  # four interpreters, two of them import transformers
+def test_the_readmes_hf_lines_run_as_written_and_the_tokenizer_asks_nothing_on_a_terminal(tmp_path, sp_model):
+    """The README's export and loading lines for a full-attention run and a variant run, as written (``[--dtype
+    bf16]`` is the optional flag, left out), in a folder holding runs/tiny and runs/tiny_focus. The loading lines
+    run on a pseudo-terminal with nothing typed: a prompt to trust the model's code would hang until the timeout."""
+    lines = _readme_hf_lines()
+    assert lines[0].startswith("pip install") and sum("pretrain.export" in line for line in lines) == 2, lines
+    for name, model in (
+        ("tiny", SMALL | dict(family="llama")),
+        ("tiny_focus", SMALL | dict(attention={"kind": "focus"})),
+    ):
+        our_checkpoint(tmp_path / "runs" / name, model, sp_model)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    for line in lines[1:]:
+        argv = shlex.split(line.replace(" [--dtype bf16]", ""))
+        assert argv[0] == "python", line
+        if argv[1] == "-c":  # on a terminal: script(1) gives it one, stdin is empty
+            cmd = ["script", "-qec", shlex.join([sys.executable, *argv[1:]]), "/dev/null"]
+        else:
+            cmd = [sys.executable, *argv[1:]]
+        proc = subprocess.run(
+            cmd, cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=300
+        )
+        assert proc.returncode == 0, f"{line}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+        assert "Do you wish to run the custom code" not in proc.stdout + proc.stderr, line
+    assert (tmp_path / "hf" / "tiny_focus" / "modeling_focused.py").is_file()
