@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 
 import pytest
 
@@ -39,3 +40,30 @@ def test_atomic_directory_starts_from_an_empty_temporary(tmp_path):
     with atomic_directory(out) as tmp:
         assert not any(tmp.iterdir())
     assert list(tmp_path.iterdir()) == [out]
+
+
+def test_plain_mode_gives_the_mode_other_files_get(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    from core.files import plain_mode
+
+    weights, other = tmp_path / "model.safetensors", tmp_path / "meta.json"
+    save_file({"w": torch.zeros(2)}, str(weights))
+    other.write_text("{}")
+    plain_mode(weights)
+    assert stat.S_IMODE(weights.stat().st_mode) == stat.S_IMODE(other.stat().st_mode)
+
+
+def test_the_readmes_export_folder_is_ignored_and_the_hf_package_is_not():
+    """The README exports to hf/ at the repository root; model/hf/ is source (a bare ``hf/`` pattern would hide it)."""
+    import shutil
+    import subprocess
+
+    from tests.conftest import REPO
+
+    assert "/hf/" in (REPO / ".gitignore").read_text().splitlines()
+    if shutil.which("git") and (REPO / ".git").exists():
+        ignored = subprocess.run(["git", "check-ignore", "-q", "hf/tiny/config.json"], cwd=REPO)
+        source = subprocess.run(["git", "check-ignore", "-q", "model/hf/configs.py"], cwd=REPO)
+        assert (ignored.returncode, source.returncode) == (0, 1)

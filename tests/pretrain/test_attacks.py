@@ -881,3 +881,125 @@ def test_issue_41_checkpoint_rows_each_name_a_test_that_exists():
         text = (REPO / path).read_text()
         assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
         assert not param or f'"{param.rstrip("]")}"' in text, a
+
+
+# ---- issue 50: what a new user trips on, and the profiler ---------------------------------------------------
+
+# the rows of issue 50's "What a new user trips on" (its tp=2 row has a block of its own) and its profiler paragraph
+TABLE_50_USER = (
+    "AutoTokenizer.from_pretrained(export) of a variant export asks to run the custom code on a TTY; the README and "
+    "the export's message disagree on how to load it",
+    "the README never says how to install on a CPU-only machine",
+    "the demo prints two validation figures with no word on why; tiny.toml and the README disagree on its time; "
+    "no documented 1-minute smoke run",
+    "launch.plan exits 0 when no layout fits, unless --emit is given",
+    "model.safetensors in checkpoints and exports is written with mode 0600",
+    "hf/, the README's export folder, is not in .gitignore",
+    "a tokenizer folder whose tokenizer_config.json starts with a UTF-8 BOM, or is a symlink to a file outside the "
+    "folder, is copied into the run",
+    "the memory floor counts 4 bytes per parameter: a 1,000-layer tiny model passes it and dies in its first backward",
+    "a profiler in the training loop: profile.* keys, a trace of steps N..M, a CUDA memory snapshot",
+)
+HF = "tests/interop/test_hf.py"
+FRESH = "tests/e2e/test_fresh_install.py"
+ATTACKS_50_USER = [
+    Attack(
+        "variant-export-tokenizer-no-prompt",
+        TABLE_50_USER[0],
+        "any",
+        f"{HF}::test_the_readmes_hf_lines_run_as_written_and_the_tokenizer_asks_nothing_on_a_terminal",
+    ),
+    Attack(
+        "cpu-install-pinned",
+        TABLE_50_USER[1],
+        "any",
+        f"{FRESH}::test_readme_cpu_install_line_pins_setup_cfgs_torch_from_the_cpu_index",
+    ),
+    Attack("cpu-install-as-written", TABLE_50_USER[1], "any", f"{FRESH}::test_readme_cpu_install_line_runs_as_written"),
+    Attack(
+        "smoke-run-and-two-figures",
+        TABLE_50_USER[2],
+        "single",
+        f"{FRESH}::test_readme_smoke_run_runs_as_written_with_the_base_install_only",
+    ),
+    Attack(
+        "tiny-toml-time",
+        TABLE_50_USER[2],
+        "any",
+        "tests/test_readme_demo_time.py::test_the_readmes_demo_time_is_the_recorded_measurement",
+    ),
+    *(
+        Attack(
+            f"plan-nothing-fits-{case}",
+            TABLE_50_USER[3],
+            "any",
+            f"tests/pretrain/test_layout_plan.py::test_no_layout_fitting_is_exit_2_after_the_table[{case}]",
+        )
+        for case in ("print", "emit")
+    ),
+    Attack(
+        "safetensors-mode-checkpoint",
+        TABLE_50_USER[4],
+        "single",
+        f"{INTEGRITY}::test_every_file_has_its_checksum_in_the_manifest",
+    ),
+    Attack(
+        "safetensors-mode-export", TABLE_50_USER[4], "any", f"{HF}::test_export_bf16_sharded_and_refuses_non_empty_out"
+    ),
+    Attack(
+        "safetensors-mode-unit",
+        TABLE_50_USER[4],
+        "any",
+        "tests/test_core_files.py::test_plain_mode_gives_the_mode_other_files_get",
+    ),
+    Attack(
+        "hf-ignored",
+        TABLE_50_USER[5],
+        "any",
+        "tests/test_core_files.py::test_the_readmes_export_folder_is_ignored_and_the_hf_package_is_not",
+    ),
+    *(
+        Attack(
+            f"tokenizer-folder-{case}",
+            TABLE_50_USER[6],
+            "any",
+            f"{SIZES}::test_a_tokenizer_folder_with_a_bom_or_a_link_out_is_one_line[{case}]",
+        )
+        for case in ("bom-auto-map", "link-outside", "not-json")
+    ),
+    *(
+        Attack(
+            f"memory-floor-{case}",
+            TABLE_50_USER[7],
+            "any",
+            f"{SIZES}::test_training_state_beyond_memory_is_one_line_under_dry_run[{case}]",
+        )
+        for case in ("a-thousand-layers", "state-beyond-memory")
+    ),
+    Attack(
+        "profiler-trace",
+        TABLE_50_USER[8],
+        "single",
+        "tests/pretrain/test_profiling.py::test_a_trace_of_the_chosen_steps_is_written_and_names_the_models_ops",
+    ),
+    Attack(
+        "profiler-keys",
+        TABLE_50_USER[8],
+        "any",
+        "tests/pretrain/test_profiling.py::test_bad_profile_keys_are_one_line[traced-without-start]",
+    ),
+]
+
+
+def test_issue_50_user_rows_each_name_a_test_that_exists():
+    """Every row of issue 50's new-user table (but its tp=2 row) and its profiler paragraph has a case; each case
+    names a test whose file defines the function and holds the parameter id."""
+    assert len({a.id for a in ATTACKS_50_USER}) == len(ATTACKS_50_USER), "case ids are unique"
+    assert {a.row for a in ATTACKS_50_USER} == set(TABLE_50_USER)
+    assert not {a.id for a in ATTACKS_50_USER} & {a.id for a in ATTACKS + ATTACKS_41_CHECKPOINTS}
+    for a in ATTACKS_50_USER:
+        path, _, rest = a.test.partition("::")
+        name, _, param = rest.partition("[")
+        text = (REPO / path).read_text()
+        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
+        assert not param or f'"{param.rstrip("]")}"' in text, a
