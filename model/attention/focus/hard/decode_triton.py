@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from model.attention.common.triton import acc_dtype, jit_kernels, last_contiguous, padded, precision, warps
+from model.attention.common.triton import acc_dtype, jit_kernels, last_contiguous, padded, precision
 from model.attention.common.triton import available as available  # the module's own question too
 from model.attention.focus.hard.decode_pages import PAGE, GroupPages
 
@@ -157,7 +157,7 @@ def _partials_op(
         q.stride(0), q.stride(1), *k_all.stride()[:3], *v_all.stride()[:3], bits_all.stride(0),
         index.stride(0), index.stride(1),
         scale, window, hkv, hq // hkv, dim, far.shape[1], top_k, splits, ns,
-        PAGE=PAGE, BG=padded(hq // hkv), BD=bd, COUNT=bool(ROWS_READ), PREC=precision(q), num_warps=warps(bd),
+        PAGE=PAGE, BG=padded(hq // hkv), BD=bd, COUNT=bool(ROWS_READ), PREC=precision(q), num_warps=4,
     )  # fmt: skip
     return outs, lses
 
