@@ -3,9 +3,11 @@
 
 - the kernel's parts merged by log-sum-exp equal the torch form and the float64 dense reference (ragged positions
   per sequence, GQA, top_k 1-3, window 0, a window wider than the sequence, a head dim that is no power of two);
+  in float32, within float32 error;
 - the rows one step reads, counted by the kernel (an atomic add per loaded tile): exactly the keys the token attends
-  (the dense hard mask's row), so at most (top_k / K + window / L) of the cache plus one page per group for groups of
-  equal size; at a 1024-row cache, K = 8: 13-14% of the rows, where the whole-cache step read them all;
+  (the dense hard mask's row), so for groups of equal size at most (top_k^2 / K + window / L) of the cache plus one
+  page per group (each key is in top_k groups; (1 / K + window / L) at top_k = 1): at a 1024-row cache, K = 8,
+  window 64, 18% of the rows at top_k = 1, where the whole-cache step read them all;
 - token by token over 42 decoded tokens (float64, GQA, batch 2, top_k 2; top_k 1 in the slow tier) the module's
   device decode with the kernel equals the CPU (host) decode;
 - (slow) the step with the kernel traced ``fullgraph=True``, ``dynamic=False``: one graph for consecutive tokens,
@@ -134,6 +136,20 @@ def test_kernel_parts_merge_to_the_dense_reference(case):
     want = _dense(q, k_all, v_all, bits_all, bits_q, lengths, window, 0.3)
     torch.testing.assert_close(kernel, want, **TOL)
     torch.testing.assert_close(torch_form, want, **TOL)
+
+
+@interpreted
+def test_kernel_in_float32_is_within_float32_error_of_the_float64_reference():
+    b, hq, hkv, cap, dim, n_groups, top_k, lengths, window, splits = CASES["gqa-ragged-k2"]
+    q, k_all, v_all, bits_all, pages, groups, bits_q, p = _step_inputs(
+        b, hq, hkv, cap, dim, n_groups, top_k, lengths, window, seed=5
+    )
+    q32, k32, v32 = (x.float() for x in (q, k_all, v_all))
+    outs, lses = decode_triton.triton_partials(q32, k32, v32, bits_all, pages, groups, bits_q, p, window=window,
+                                               scale=0.3, splits=splits)  # fmt: skip
+    assert outs.dtype == lses.dtype == torch.float32
+    want = _dense(q, k_all, v_all, bits_all, bits_q, lengths, window, 0.3)
+    torch.testing.assert_close(merge(outs, lses).double(), want, atol=2e-6, rtol=1e-5)
 
 
 @interpreted
