@@ -1,11 +1,13 @@
 """Focus hard-mode decode on the device (issue 37, item 4): ``hard/decode_device.py``'s static-shape step, taken on
 CPU inside ``gpu_paths_forced`` as on CUDA.
 
-- token by token over a prompt and decoded tokens it equals the float64 dense reference and the CPU decode path
-  (top_k 1 and 2, several K, GQA, batch 2), and leaves the cache's Sinkhorn state and membership words as they do;
+- token by token over a prompt and 42 decoded tokens it equals the float64 dense reference and the CPU decode path
+  (top_k 1 and 2, several K, GQA, batch 2), and leaves the cache's Sinkhorn state and membership words as they do
+  (the attention here in torch over the group page tables; the Triton kernel's run: test_decode_paged.py);
 - the step itself with a different position per sequence (ragged batch) equals the reference per sequence;
 - one step traced with ``fullgraph=True`` under an ``aot_autograd`` recorder: no graph break, no op that reads a
-  device value on the host or has a data-dependent shape, and consecutive tokens share the one static-shape graph.
+  device value on the host or has a data-dependent shape, consecutive tokens share the one static-shape graph (no
+  recompile), and the attention gathers pages (no whole-cache SDPA).
 """
 
 from __future__ import annotations

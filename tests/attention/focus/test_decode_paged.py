@@ -184,8 +184,11 @@ def test_step_reads_only_the_token_groups_pages_and_the_window(top_k, monkeypatc
 @pytest.mark.parametrize("top_k", [pytest.param(1, marks=pytest.mark.slow), 2])
 def test_device_decode_with_the_kernel_equals_the_cpu_decode(top_k, monkeypatch):
     """Token by token: the kernel's decode equals the CPU decode (host assignments, per-group lists), which
-    test_decode_device.py holds equal to the dense reference."""
+    test_decode_device.py holds equal to the dense reference; over the whole generation the kernel reads exactly the
+    keys the tokens attend (its row counter against the dense mask's rows, per key head)."""
     calls = []
+    counter = torch.zeros(1, dtype=torch.long)
+    monkeypatch.setattr(decode_triton, "ROWS_READ", [counter])
 
     def spy(*args, **kwargs):
         calls.append(1)
@@ -202,6 +205,10 @@ def test_device_decode_with_the_kernel_equals_the_cpu_decode(top_k, monkeypatch)
     for i in range(prompt, t):  # token by token
         torch.testing.assert_close(device[:, :, i], cpu[:, :, i], **TOL, msg=lambda m, i=i: f"token {i}: {m}")
     assert cache.extra["focus_pages"].length == t
+    bits = cache.extra["focus_bits"][:, :t]
+    positions = torch.arange(prompt, t)
+    attended = naive.hard_mask(bits[:, prompt:], bits, positions, torch.arange(t), module.cfg.window).sum()
+    assert int(counter) == SPEC.n_kv_heads * int(attended)
 
 
 @interpreted
