@@ -17,9 +17,9 @@ future) or by softmax (kept for the collapse comparison).
   (``hard/``): CPU (``cpu.py``), the sorted-group decomposition on the fused CPU flash kernel (values and
   gradients); CUDA (``flex.py``), two FlexAttention calls over group-sorted tokens and the cross-group band;
   decode on the CPU (``decode.py``), the window plus the far members of the token's groups from per-group index
-  lists in the KV cache; decode on the GPU (``decode_device.py``), one static-shape masked step over the whole
-  cache without host synchronisation (CUDA-graph capturable). Elsewhere the batched dense decomposition of
-  ``group_sparse.hard_attention``.
+  lists in the KV cache; decode on the GPU (``decode_device.py``), a static-shape step without host synchronisation
+  (CUDA-graph capturable) reading the token's groups' pages and the window (split-KV, merged by log-sum-exp).
+  Elsewhere the batched dense decomposition of ``group_sparse.hard_attention``.
 
 With prefix Sinkhorn (or softmax) a token's assignment never changes once computed, so the KV cache
 keeps each token's assignment and membership (and, in hard mode on the CPU, each group's member positions) and

@@ -19,13 +19,15 @@ from torch.utils.checkpoint import checkpoint
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
 from model.attention.common.flex import flex_supports, gpu_paths_active
+from model.attention.common.triton import interpreting
 from model.attention.focus import naive
 from model.attention.focus.config import FocusConfig, lambda_at
 from model.attention.focus.hard import decode_host as host_decode
-from model.attention.focus.hard import group_sparse
+from model.attention.focus.hard import decode_triton, group_sparse
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus.hard.decode_device import device_decode_step
+from model.attention.focus.hard.decode_pages import GroupPages, build_pages
 from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
@@ -80,11 +82,21 @@ _DECODE_STEP: list[Callable[..., Tensor]] = []
 
 def decode_step_fn() -> Callable[..., Tensor]:
     """``device_decode_step`` compiled once (on CUDA: the Sinkhorn token update's ~40 small operations fuse into a
-    few kernels). Its shapes are the cache's, so consecutive tokens of one cache share a graph; another cache shape
-    compiles once more (automatic dynamic shapes). The CPU tests trace it with ``fullgraph=True``."""
+    few kernels around the split-KV kernel). Its shapes are the cache's, so consecutive tokens of one cache share a
+    graph; another cache shape compiles once more (automatic dynamic shapes). The CPU tests trace it with
+    ``fullgraph=True``."""
     if not _DECODE_STEP:
         _DECODE_STEP.append(torch.compile(device_decode_step))
     return _DECODE_STEP[0]
+
+
+def _decode_kernel(q: Tensor) -> bool:
+    """Whether the device decode step's attention runs the split-KV Triton kernel (``hard/decode_triton.py``): CUDA
+    tensors where triton imports; CPU tensors only while Triton's interpreter is on (the tests). Elsewhere its torch
+    form (``decode_pages.torch_partials``)."""
+    if q.dtype not in decode_triton.kernel_dtypes() or not decode_triton.available():
+        return False
+    return q.is_cuda or (q.device.type == "cpu" and interpreting())
 
 
 def _compiles_whole(q: Tensor) -> bool:
@@ -419,21 +431,27 @@ class FocusAttention(Attention):
 
     def _hard_decode_device(self, q: Tensor, *, hidden: Tensor, q_pos: Tensor, cache: KVCache) -> AttnOut:
         """One hard-mode decode step as ``device_decode_step`` (see its module docstring: static shapes, no host
-        synchronisation, capturable in a CUDA graph) over the whole preallocated cache; on CUDA compiled
-        (``decode_step_fn``). Equal to ``assignments`` + ``_memberships`` + ``hard_fast``, and it keeps the cache's
-        tensors (Sinkhorn state, assignments, membership words) as they do."""
+        synchronisation, capturable in a CUDA graph), reading the token's groups' pages and the window; on CUDA
+        compiled (``decode_step_fn``), its attention the split-KV Triton kernel (``_decode_kernel``). Equal to
+        ``assignments`` + ``_memberships`` + ``hard_fast``, and it keeps the cache's tensors (Sinkhorn state,
+        assignments, membership words) as they do, and the group page tables (``focus_pages``) for the next token."""
         host_decode.flush(cache)  # a cache decoded on the host before (CPU): its state back into the tensors
         cache.extra.pop("focus_lists", None)  # the CPU paths' per-group lists: not kept up to date from here
-        state = cache.extra.get("focus_sinkhorn") if self.cfg.assignment == "sinkhorn" else None
+        cfg = self.cfg
+        state = cache.extra.get("focus_sinkhorn") if cfg.assignment == "sinkhorn" else None
         g_all, bits_all = cache.extra["focus_g"], cache.extra["focus_bits"]
         # the protocol: the token is the last cached key (a device-side check: reading q_pos would synchronise)
         torch._assert_async((q_pos == cache.length - 1).all(), "focus decode: the position must end the cache")
+        pages: GroupPages | None = cache.extra.get("focus_pages")
+        if pages is None or pages.length != cache.length - 1:  # after a prefill (or a chunk by the tensor path)
+            pages = cache.extra["focus_pages"] = build_pages(bits_all, q_pos, cfg.n_groups, cfg.window)
         step = decode_step_fn() if _compiles_whole(q) and not torch.compiler.is_compiling() else device_decode_step
-        cfg = self.cfg
         out = step(
-            q, cache.k, cache.v, hidden, self._fold(cache, g_all.dtype), q_pos, state, g_all, bits_all,
+            q, cache.k, cache.v, hidden, self._fold(cache, g_all.dtype), q_pos, state, g_all, bits_all, pages,
             iters=cfg.sinkhorn_iters, top_k=cfg.top_k, window=cfg.window, scale=self._scale(),
+            kernel=_decode_kernel(q), splits=decode_triton.splits_for(cache.max_len),
         )  # fmt: skip
+        pages.length = cache.length
         return AttnOut(out)  # what ``_out`` returns in plain inference (``_device_decodes``)
 
     def _host_decodes(self, q: Tensor, k: Tensor, q_pos: Tensor, cache: KVCache | None) -> bool:

@@ -1,11 +1,13 @@
 """Focus hard-mode decode on the device (issue 37, item 4): ``hard/decode_device.py``'s static-shape step, taken on
 CPU inside ``gpu_paths_forced`` as on CUDA.
 
-- token by token over a prompt and decoded tokens it equals the float64 dense reference and the CPU decode path
-  (top_k 1 and 2, several K, GQA, batch 2), and leaves the cache's Sinkhorn state and membership words as they do;
+- token by token over a prompt and 42 decoded tokens it equals the float64 dense reference and the CPU decode path
+  (top_k 1 and 2, several K, GQA, batch 2), and leaves the cache's Sinkhorn state and membership words as they do
+  (the attention here in torch over the group page tables; the Triton kernel's run: test_decode_paged.py);
 - the step itself with a different position per sequence (ragged batch) equals the reference per sequence;
 - one step traced with ``fullgraph=True`` under an ``aot_autograd`` recorder: no graph break, no op that reads a
-  device value on the host or has a data-dependent shape, and consecutive tokens share the one static-shape graph.
+  device value on the host or has a data-dependent shape, consecutive tokens share the one static-shape graph (no
+  recompile), and the attention gathers pages (no whole-cache SDPA).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from model.attention.common import flex as flex_mod
 from model.attention.focus import FocusConfig, naive
 from model.attention.focus import module as focus_module
 from model.attention.focus.hard.decode_device import device_decode_step
+from model.attention.focus.hard.decode_pages import build_pages
 from model.attention.focus.naive import membership_bits
 from model.attention.focus.sinkhorn import sinkhorn_prefix
 from tests.attention.test_suite import random_inputs
@@ -72,7 +75,7 @@ def test_device_decode_equals_dense_reference_and_cpu_decode(n_groups, top_k, as
         return device_decode_step(*args, **kwargs)
 
     monkeypatch.setattr(focus_module, "device_decode_step", spy)
-    t, prompt = 36, 20  # past the window (8): far keys of the token's groups count
+    t, prompt = 56, 14  # 42 decoded tokens, most past the window (8): far keys of the token's groups count
     inputs = random_inputs(SPEC, 2, t, torch.float64, seed=n_groups + top_k)
     reference, ref_cache = _decode(module, inputs, prompt, forced=False, impl="reference")
     cpu, _ = _decode(module, inputs, prompt, forced=False)
@@ -109,7 +112,8 @@ def test_device_step_with_a_position_per_sequence_equals_the_reference(top_k):
     state = torch.stack([sinkhorn_prefix(scores[i : i + 1, : n - 1], iters)[1][0] for i, n in enumerate(lengths)])
     q_pos = torch.tensor(lengths) - 1
     kw = dict(iters=iters, top_k=top_k, window=window, scale=0.25)
-    out = device_decode_step(q, k_all, v_all, hidden, fold, q_pos, state, g_all, bits_all, **kw)
+    pages = build_pages(bits_all, q_pos, n_groups, window)  # each sequence's tokens before its position
+    out = device_decode_step(q, k_all, v_all, hidden, fold, q_pos, state, g_all, bits_all, pages, **kw)
     for i, n in enumerate(lengths):
         whole = torch.cat([scores[i : i + 1, : n - 1], token_scores[i : i + 1]], 1)
         g_want, state_want = sinkhorn_prefix(whole, iters)
@@ -159,4 +163,6 @@ def test_device_decode_step_is_one_static_graph_without_host_sync(top_k, monkeyp
     assert len(graphs) == 1, f"{len(graphs)} graphs for 4 consecutive tokens (one static-shape graph expected)"
     synced = graphs[0] & (SYNC_OPS | {"aten.masked_scatter", "aten.index.Tensor"})
     assert not synced, f"host synchronisations or data-dependent shapes in the decode step: {sorted(synced)}"
-    assert any("scaled_dot_product" in op for op in graphs[0]), f"no attention kernel in the graph: {sorted(graphs[0])}"
+    # the attention gathers the token's groups' pages and the window (torch form off CUDA), not the whole cache
+    assert {"aten.gather", "aten.bmm"} <= graphs[0], f"no paged attention in the graph: {sorted(graphs[0])}"
+    assert not any("scaled_dot_product" in op for op in graphs[0]), "a whole-cache attention call is back"
