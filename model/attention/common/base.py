@@ -63,8 +63,8 @@ class VariantConfig:
 
 class KVCache:
     """One layer's keys and values for positions [0, length), preallocated to ``max_len`` and zero-initialised: a
-    step that reads the whole buffer under a mask (Focus's device decode, static shapes) gives the rows past
-    ``length`` zero weights, which must not meet a NaN left in uninitialised memory.
+    static-shape step that reads rows past ``length`` (masked slots of a page table, Focus's device decode without
+    its kernel) gives them zero weights, which must not meet a NaN left in uninitialised memory.
 
     ``extra`` is per-variant state that must live with the cache (Focus group
     memberships, DGA aggregated groups, ...).
