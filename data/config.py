@@ -8,6 +8,7 @@ from pathlib import Path
 
 from core.cache import cache_root
 from core.errors import ConfigError, check_choice, check_min, check_range
+from core.files import NotRegularFile, read_regular_text
 from data.stream_config import WEIGHTINGS, StreamConfig
 
 HUB = ("slimpajama", "fineweb-edu", "openwebtext", "pg19")  # streamed with `datasets` (data/stream_sources.py)
@@ -40,7 +41,9 @@ def custom_code(folder: Path) -> str:
     tokenizer's: a focused export's folder keeps it)."""
     for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
         try:
-            config = json.loads((folder / name).read_text(encoding="utf-8"))
+            config = json.loads(read_regular_text(folder / name))
+        except NotRegularFile as exc:  # a FIFO would block the read (and the training) until killed
+            raise ConfigError(f"data.tokenizer: {folder / name} {exc.strerror}") from None
         except (OSError, ValueError):
             continue
         auto_map = config.get("auto_map") if isinstance(config, dict) else None

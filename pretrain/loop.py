@@ -350,12 +350,15 @@ class Trainer:
                 f"changed; to start over on purpose use a new run.dir, or set checkpoint.unverifiable=start_over "
                 f"(moves them to {root / ckpt.DAMAGED_DIR})"
             )
+        records: list[Path] = []
         if self.engine.is_main:
             for bad, _ in skipped:
                 ckpt.set_aside(bad)
+            records = ckpt.set_aside_records(self.run_dir)  # the old model's metrics and eval results go with it
         self.engine.barrier()
+        with_them = f", with the run's {' and '.join(p.name for p in records)}" if records else ""
         self._say(
-            f"warning: checkpoint.unverifiable=start_over: moved {what} that cannot be verified to "
+            f"warning: checkpoint.unverifiable=start_over: moved {what} that cannot be verified{with_them} to "
             f"{root / ckpt.DAMAGED_DIR} (the newest: {newest}); training from step 0"
         )
         if self.cfg.train.init_from:  # read before the engine wrapped the weights, which this launch did not
