@@ -109,6 +109,7 @@ class Trainer:
         # that sets the bound in effect now (a stall names it)
         self.step_timeout = STARTUP_COLLECTIVE_TIMEOUT
         self.timeout_key = "train.collective_timeout"
+        self.fired_bound: tuple[float, str] | None = None  # (seconds, key) of a checkpoint bound a failure left
         self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
         self.stop = cfg.train.stop_at or cfg.train.max_steps
@@ -407,6 +408,10 @@ class Trainer:
         self._bound_collectives(seconds, key)
         try:
             yield
+        except BaseException:
+            # a collective that timed out in here was bounded by ``key``: _stalled names that one, not the step's
+            self.fired_bound = (seconds, key)
+            raise
         finally:
             self._bound_collectives(self.step_timeout, "train.collective_timeout")
 
@@ -620,7 +625,7 @@ class Trainer:
         if who is None:
             return False
         self.stalled_ranks = who
-        timeout, key = getattr(self.engine, "collective_timeout", None), self.timeout_key
+        timeout, key = self.fired_bound or (getattr(self.engine, "collective_timeout", None), self.timeout_key)
         waited = f"no answer within {key}={timeout:g} s" if timeout else "a collective failed"
         said = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))[:80]  # gloo starts with its source line
         self.error = f"{key}: {who} stopped answering ({waited}{'; ' + said if said else ''})"
