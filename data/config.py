@@ -9,6 +9,7 @@ from pathlib import Path
 
 from core.cache import cache_root
 from core.errors import ConfigError, check_choice, check_min, check_range
+from core.files import NotRegularFile, file_kind, read_regular_text
 from data.stream_config import WEIGHTINGS, StreamConfig
 
 HUB = ("slimpajama", "fineweb-edu", "openwebtext", "pg19")  # streamed with `datasets` (data/stream_sources.py)
@@ -42,7 +43,9 @@ def custom_code(folder: Path) -> str:
     for name, key in (("tokenizer_config.json", None), ("config.json", "AutoTokenizer")):
         try:
             # utf-8-sig: a byte-order mark must not hide an auto_map (json.loads refuses one, and was skipped)
-            config = json.loads((folder / name).read_text(encoding="utf-8-sig"))
+            config = json.loads(read_regular_text(folder / name, encoding="utf-8-sig"))
+        except NotRegularFile as exc:  # a FIFO would block the read (and the training) until killed
+            raise ConfigError(f"data.tokenizer: {folder / name} {exc.strerror}") from None
         except (OSError, ValueError):
             continue
         auto_map = config.get("auto_map") if isinstance(config, dict) else None
@@ -69,11 +72,12 @@ def check_companions(folder: Path, names: tuple[str, ...]) -> None:
             raise ConfigError(
                 f"data.tokenizer: {file} is a link to {target}, outside the folder; copy the file into {folder}"
             )
-        if not target.is_file():
-            raise ConfigError(f"data.tokenizer: {file} is not a regular file")
+        kind = file_kind(target)
+        if kind is not None:  # never opened: a FIFO would block the read until killed
+            raise ConfigError(f"data.tokenizer: {file} is {kind}, not a regular file")
         if file.suffix == ".json":
             try:
-                json.loads(target.read_text(encoding="utf-8-sig"))
+                json.loads(read_regular_text(target, encoding="utf-8-sig"))
             except (ValueError, OSError) as exc:
                 raise ConfigError(f"data.tokenizer: {file} is not valid JSON ({exc})") from None
 

@@ -75,6 +75,10 @@ def strided_loss(
     return total, count
 
 
+class NoDocuments(ValueError):
+    """The texts hold no document of two or more tokens: nothing to score."""
+
+
 def text_perplexity(
     model: nn.Module,
     texts: Iterable[str],
@@ -99,7 +103,7 @@ def text_perplexity(
     finally:
         model.train(was_training)
     if tokens == 0:
-        raise ValueError("no document of two or more tokens to evaluate")
+        raise NoDocuments("no document of two or more tokens to evaluate")
     loss = total / tokens
     return {
         "loss": loss,

@@ -1,9 +1,10 @@
 """``python -m eval.run --run DIR | --checkpoint DIR --tasks ppl,sample [--limit N] [--out FILE]``
 
 Evaluates a checkpoint (``--run`` takes the run's latest complete one) and writes
-``{task: {metric: value}}`` JSON, by default to ``<run>/eval/step_NNNNNNNN.json``. Results accumulate: a call
-adds its tasks to what earlier calls on the same checkpoint wrote there (a task run again replaces only its own
-entry), and ``provenance`` records each task's time and command.
+``{task: {metric: value}}`` JSON, by default to ``<run>/eval/step_NNNNNNNN.json`` (checked writable before any task
+runs). Results accumulate: a call adds its tasks to what earlier calls on the same checkpoint wrote there (a task run
+again replaces only its own entry; a grid task run with other options, ``needle --needle-kind multikey`` say, has its
+own: ``result_key``), and ``provenance`` records each task's time and command.
 
 Tasks:
 - ``ppl``: token-level loss and perplexity on the run's validation split (all of it, or ``--limit`` sequences).
@@ -38,8 +39,10 @@ import fcntl
 import json
 import math
 import os
+import re
 import shlex
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.errors import ConfigError, cli_errors, install_hint
-from core.files import atomic_write_text
+from core.files import atomic_write_text, file_kind, open_regular
 from run import checkpoint as checkpoint_lib
 
 if TYPE_CHECKING:
@@ -110,13 +113,19 @@ def task_ppl_text(
 ) -> dict:
     """Token and per-byte perplexity of the documents of a text file / folder / glob (strided windows)."""
     from data.sources import iter_local
-    from eval.perplexity import text_perplexity
+    from eval.perplexity import NoDocuments, text_perplexity
 
     if not 0 < stride <= length:
         raise ConfigError(f"--ppl-stride: {stride} must be in [1, --ppl-length={length}]")
     docs = iter_local(path)
     texts = (d.text for i, d in enumerate(docs) if not limit or i < limit)
-    return text_perplexity(model, texts, tokenizer, length=length, stride=stride, device=device) | {"data": path}
+    try:
+        return text_perplexity(model, texts, tokenizer, length=length, stride=stride, device=device) | {"data": path}
+    except NoDocuments:
+        within = f" within --limit {limit}" if limit else ""
+        raise ConfigError(
+            f"--ppl-data: {path} holds no document of two or more tokens{within}: nothing to score"
+        ) from None
 
 
 def task_ppl(model: Transformer, corpus: Corpus, *, limit: int, device: torch.device) -> dict:
@@ -357,19 +366,33 @@ def _grid_samples(task: str, gen: TextGenerator, args: argparse.Namespace, lengt
     return synthetic.rag_samples(gen.encode, data_file=args.rag_file, max_new_tokens=new, **common)
 
 
+def result_key(task: str, args: argparse.Namespace) -> str:
+    """Where a grid task's results go in the results file: its name, plus the options that make it another test
+    than the task's default (needle's kind and haystack, kv_retrieval's data file), so that successive calls with
+    other options (the README's two needle lines) keep each call's grid and plot."""
+    params = []
+    if task == "needle":
+        params = [f"kind={args.needle_kind}"] * (args.needle_kind != "single")
+        params += [f"haystack={args.haystack}"] * (args.haystack != "noise")
+    elif task == "kv_retrieval" and args.kv_file:
+        params = [f"file={Path(args.kv_file).name}"]
+    return f"{task}[{','.join(params)}]" if params else task
+
+
 def _synthetic(task: str, gen: TextGenerator, items: list, args: argparse.Namespace, out: Path) -> dict:
     from eval import synthetic
     from eval.plots import plot_needle_heatmap
     from eval.synthetic.common import RAG_STOP
 
+    key = result_key(task, args)
     stop = RAG_STOP if task == "rag" else ()
     result = synthetic.evaluate_samples(
         gen, items, max_new_tokens=_new_tokens(task), stop=stop, progress=not args.no_progress
     )
-    result["plot"] = str(
-        plot_needle_heatmap(result["grid"], out.with_suffix(f".{task}.png"), title=f"{task}: score by depth and length")
-    )
-    print(f"{task}: score {result['score']:.1f} over {result['n']} prompts")
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "-", key).strip("-")  # needle[kind=multikey] -> needle-kind-multikey
+    plot = out.with_suffix(f".{slug}.png")
+    result["plot"] = str(plot_needle_heatmap(result["grid"], plot, title=f"{key}: score by depth and length"))
+    print(f"{key}: score {result['score']:.1f} over {result['n']} prompts")
     return result
 
 
@@ -433,18 +456,14 @@ def main(argv: list[str] | None = None) -> int:
         device = resolve_device(args.device, key="--device")
         key = "--run" if args.run else "--checkpoint"
         state = checked_checkpoint(path, key)
+        out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
+        check_out(out)  # before any task runs: a result that cannot be written is known now, not after the work
         model, cfg = load_model(path, device=device, overrides=args.set)
         tokenizer = _load_tokenizer(load_tokenizer, path, key)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     results: dict = {"checkpoint": str(path), "step": state["step"]}
-    out = Path(args.out) if args.out else path.parent.parent / "eval" / f"{path.name}.json"
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"error: --out: cannot create {out.parent} ({exc.strerror or exc})", file=sys.stderr)
-        return 2
     gen = TextGenerator(model, tokenizer, device=device, max_context=args.max_context or None)
     try:
         samples = preflight(tasks, harness_tasks, args, gen, context_lengths, depths)
@@ -528,7 +547,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 print(f"sample:\n{args.prompt}{results['sample']['text']}")
             elif task in GRID:
-                results[task] = _synthetic(task, gen, samples[task], args, out)
+                results[result_key(task, args)] = _synthetic(task, gen, samples[task], args, out)
             elif task.startswith(LONGBENCH_PREFIX):
                 from eval.longbench import run_longbench
 
@@ -552,15 +571,27 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{task}: " + ", ".join(shown))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        if len(results) > 2:  # beyond checkpoint and step: the tasks that ran are kept
-            write_results(out, results, command=command)
+        if len(results) > 2 and _kept(out, results, command):  # beyond checkpoint and step: the tasks that ran
             print(f"results of the tasks that ran written to {out}", file=sys.stderr)
         return 2
     if args.run:
         results["plots"] = _run_plots(Path(args.run), out)
-    write_results(out, results, command=command)
+    if not _kept(out, results, command):
+        return 2
     print(f"results written to {out}")
     return 0
+
+
+def _kept(out: Path, results: dict, command: str) -> bool:
+    """``write_results``; if ``out`` became unwritable while the tasks ran (check_out passed before them), one
+    error line and the results as JSON on stdout, so that the work is not lost. Whether they were written."""
+    try:
+        write_results(out, results, command=command)
+        return True
+    except (OSError, ValueError) as exc:
+        print(f"error: --out: cannot write {out} ({_first_line(exc)}); the results follow on stdout", file=sys.stderr)
+        print(json.dumps(json_safe(results), indent=2, allow_nan=False, default=str))
+        return False
 
 
 META_KEYS = ("checkpoint", "step", "plots", "provenance")  # the results file's keys that are not tasks
@@ -585,19 +616,43 @@ def write_results(out: Path, results: dict, *, command: str) -> dict:
     return merged
 
 
+def check_out(out: Path) -> None:
+    """The results file ``out`` can be written (its folder made, a file created in it, and ``out`` itself, when
+    there, a regular file the results may replace), or one ``ConfigError`` line saying why: checked before any
+    task runs."""
+    kind = file_kind(out)
+    if kind is not None:
+        raise ConfigError(f"--out: {out} is {kind}; give the name of a results file (.json)")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        raise ConfigError(f"--out: cannot create {out.parent} ({getattr(exc, 'strerror', None) or exc})") from None
+    try:  # what write_results does: a temporary file beside out, renamed over it
+        fd, probe = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.probe")
+    except OSError as exc:
+        raise ConfigError(f"--out: cannot write in {out.parent} ({exc.strerror or exc})") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def _earlier_results(out: Path, checkpoint: str) -> dict:
     """What earlier calls wrote to ``out`` for ``checkpoint``; {} when there is nothing to keep."""
     if not out.exists():
         return {}
     try:
-        earlier = json.loads(out.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        with open_regular(out) as f:
+            earlier = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as exc:  # ValueError: not UTF-8, not JSON, an integer past Python's digit limit
         print(f"note: {out}: not a results file ({_first_line(exc)}); replaced", file=sys.stderr)
         return {}
     if not isinstance(earlier, dict) or not isinstance(earlier.get("checkpoint"), str):
         print(f"note: {out}: not a results file (no checkpoint named); replaced", file=sys.stderr)
         return {}
-    if Path(earlier["checkpoint"]).resolve() != Path(checkpoint).resolve():
+    try:
+        same = Path(earlier["checkpoint"]).resolve() == Path(checkpoint).resolve()
+    except (OSError, ValueError):  # ValueError: a NUL in the path
+        same = False
+    if not same:
         print(f"note: {out} held results of {earlier['checkpoint']}; replaced", file=sys.stderr)
         return {}
     for key in ("plots", "provenance"):

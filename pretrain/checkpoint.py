@@ -218,10 +218,10 @@ def leftover_temporaries(run_dir: Path) -> list[Path]:
     return sorted(root.glob(f"{TMP_PREFIX}*")) if root.is_dir() else []
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path, into: Path | None = None) -> Path:
     """Move a damaged checkpoint to ``checkpoints/damaged/`` (kept for inspection, never deleted, never
-    resumed from or counted by pruning); returns where it went."""
-    target_dir = path.parent / DAMAGED_DIR
+    resumed from or counted by pruning), or ``path`` into ``into``; returns where it went."""
+    target_dir = path.parent / DAMAGED_DIR if into is None else into
     target_dir.mkdir(exist_ok=True)
     target = target_dir / path.name
     n = 1
@@ -231,6 +231,18 @@ def set_aside(path: Path) -> Path:
     path.rename(target)
     fsync_dir(path.parent)
     return target
+
+
+# what a run wrote about the model its checkpoints hold: the training records and eval.run's results per step
+RUN_RECORDS = ("metrics.jsonl", "eval")
+
+
+def set_aside_records(run_dir: Path) -> list[Path]:
+    """Move the run's records (``RUN_RECORDS``) to ``checkpoints/damaged/``, beside the checkpoints they describe,
+    when a run starts over: the new model's records must not sit beside (or under the same step as) the old one's,
+    and the old ones are kept, not deleted. Returns where they went."""
+    into = checkpoint_root(run_dir) / DAMAGED_DIR
+    return [set_aside(Path(run_dir) / name, into) for name in RUN_RECORDS if os.path.lexists(Path(run_dir) / name)]
 
 
 def _pid_alive(pid: int) -> bool:

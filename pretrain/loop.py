@@ -109,6 +109,7 @@ class Trainer:
         # that sets the bound in effect now (a stall names it)
         self.step_timeout = STARTUP_COLLECTIVE_TIMEOUT
         self.timeout_key = "train.collective_timeout"
+        self.fired_bound: tuple[float, str] | None = None  # (seconds, key) of a checkpoint bound a failure left
         self.config_changes: list[str] = []  # what a relaunch changed about the stored run, one line each
         self.last_val: float | None = None
         self.last_val_tokens = 0  # the target tokens last_val averages (eval.batches of the validation split)
@@ -351,12 +352,15 @@ class Trainer:
                 f"changed; to start over on purpose use a new run.dir, or set checkpoint.unverifiable=start_over "
                 f"(moves them to {root / ckpt.DAMAGED_DIR})"
             )
+        records: list[Path] = []
         if self.engine.is_main:
             for bad, _ in skipped:
                 ckpt.set_aside(bad)
+            records = ckpt.set_aside_records(self.run_dir)  # the old model's metrics and eval results go with it
         self.engine.barrier()
+        with_them = f", with the run's {' and '.join(p.name for p in records)}" if records else ""
         self._say(
-            f"warning: checkpoint.unverifiable=start_over: moved {what} that cannot be verified to "
+            f"warning: checkpoint.unverifiable=start_over: moved {what} that cannot be verified{with_them} to "
             f"{root / ckpt.DAMAGED_DIR} (the newest: {newest}); training from step 0"
         )
         if self.cfg.train.init_from:  # read before the engine wrapped the weights, which this launch did not
@@ -405,6 +409,10 @@ class Trainer:
         self._bound_collectives(seconds, key)
         try:
             yield
+        except BaseException:
+            # a collective that timed out in here was bounded by ``key``: _stalled names that one, not the step's
+            self.fired_bound = (seconds, key)
+            raise
         finally:
             self._bound_collectives(self.step_timeout, "train.collective_timeout")
 
@@ -618,7 +626,7 @@ class Trainer:
         if who is None:
             return False
         self.stalled_ranks = who
-        timeout, key = getattr(self.engine, "collective_timeout", None), self.timeout_key
+        timeout, key = self.fired_bound or (getattr(self.engine, "collective_timeout", None), self.timeout_key)
         waited = f"no answer within {key}={timeout:g} s" if timeout else "a collective failed"
         said = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(exc).split()))[:80]  # gloo starts with its source line
         self.error = f"{key}: {who} stopped answering ({waited}{'; ' + said if said else ''})"

@@ -9,6 +9,7 @@ Layout: ``<run>/checkpoints/step_00000020/`` with what the engine wrote, ``train
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,8 @@ import torch
 from core import configlib
 from core.configlib import tomllib  # tomli on Python 3.10
 from core.errors import ConfigError
+from core.files import file_kind, read_regular_text
+from data.tokenizer import HF_COMPANIONS
 from run import checksums
 from run.safe_load import torch_load
 
@@ -110,6 +113,19 @@ def tokenizer_file(directory: Path) -> Path:
     raise ConfigError(f"--checkpoint: {directory} holds no tokenizer.model, tokenizer.json or .tiktoken file")
 
 
+# the files a checkpoint's tokenizer is read from (data/tokenizer.py: the tokenizer file, and the Hugging Face
+# settings beside a tokenizer.json / tokenizer.model that load_tokenizer reads and save copies along)
+TOKENIZER_NAMES = ("tokenizer.model", "tokenizer.json", *HF_COMPANIONS)
+
+
+def tokenizer_files(directory: Path) -> list[str]:
+    """The tokenizer files checkpoint ``directory`` holds (``TOKENIZER_NAMES`` and ``*.tiktoken``), relative: what
+    evaluation and export read besides the weights and trainer state, so checked against the manifest like them."""
+    directory = Path(directory)
+    names = [name for name in TOKENIZER_NAMES if os.path.lexists(directory / name)]
+    return names + sorted(p.name for p in directory.glob("*.tiktoken"))
+
+
 def load_trainer_state(path: Path) -> dict[str, Any]:
     """``trainer.pt`` of checkpoint ``path``: tensors and plain values only (one-line ``ConfigError`` otherwise)."""
     return torch_load(Path(path) / TRAINER_STATE, map_location="cpu")
@@ -128,7 +144,7 @@ def read_manifest(path: Path, *, key: str = "--checkpoint") -> dict[str, Any]:
     if not meta_file.is_file():
         raise ConfigError(f"{key}: {meta_file} is missing (the manifest of checksums every file is checked against)")
     try:
-        meta = json.loads(meta_file.read_text(encoding="utf-8"))
+        meta = json.loads(read_regular_text(meta_file))
     except (OSError, ValueError) as exc:
         raise ConfigError(f"{key}: {meta_file} is damaged ({_why(exc)})") from None
     if not isinstance(meta, dict):
@@ -203,6 +219,8 @@ def verify_checkpoint(
         state = load_trainer_state(path)
     except ConfigError:
         raise
+    except OSError as exc:  # missing, unreadable, a FIFO (refused unopened: it would block)
+        raise ConfigError(f"{key}: {state_file} cannot be read ({exc.strerror or _why(exc)})") from None
     except Exception as exc:  # truncated zip, empty file, not a torch file ...
         raise ConfigError(f"{key}: {state_file} is damaged ({_why(exc)})") from None
     if not isinstance(state, dict) or "step" not in state or not isinstance(state.get("config"), str):
@@ -227,10 +245,11 @@ def verify_checkpoint(
     sums: dict[str, str] = meta["checksums"]
     if all_files:  # a resume: every file recorded must be there, and match
         names = sorted(set(sums) | set(files_of(path)))
-    elif weights.is_file():  # evaluation and export read no optimizer or engine state
-        names = [TRAINER_STATE, MODEL_FILE]
-    else:  # the weights come from dcp/ or ds/ (model.safetensors removed on purpose): every file there is read
-        names = files_of(path)
+    elif weights.is_file():  # evaluation and export read no optimizer or engine state, but the tokenizer
+        names = [TRAINER_STATE, MODEL_FILE, *tokenizer_files(path)]
+    else:  # the weights come from dcp/ or ds/ (model.safetensors removed on purpose): every file there is read,
+        # the recorded ones too (a recorded file replaced by a FIFO is not among those files_of finds)
+        names = sorted((set(sums) - {MODEL_FILE}) | set(files_of(path)))
     for name in names:
         if name not in sums:
             raise ConfigError(f"{key}: {path / name} has no checksum in {META}")
@@ -238,6 +257,9 @@ def verify_checkpoint(
     for name in names:
         size = recorded.get(name) if isinstance(recorded, dict) else None
         file = path / name
+        kind = file_kind(file)
+        if kind is not None:  # a FIFO in a file's place would block its reader
+            raise ConfigError(f"{key}: {file} is {kind}, not the regular file {META} recorded")
         actual = file.stat().st_size if file.is_file() else None
         if size is not None and actual != size:
             found = "missing" if actual is None else f"{actual} bytes"

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import xxhash
 
+from core.files import open_regular
+
 ALGORITHM = "xxh3_128"
 _READ = 8 << 20
 
@@ -20,7 +22,7 @@ def file_digest(path: Path) -> str:
     h = xxhash.xxh3_128()
     buf = bytearray(_READ)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path) as f:  # a FIFO is refused, not waited on
         while n := f.readinto(buf):
             h.update(view[:n])
     return f"{ALGORITHM}:{h.hexdigest()}"

@@ -38,6 +38,10 @@ PRECISIONS = ("auto", "fp32", "bf16")
 WANDB_MODES = ("offline", "online", "disabled")
 NONFINITE_POLICIES = ("stop", "skip")
 UNVERIFIABLE_POLICIES = ("stop", "start_over")  # checkpoint.unverifiable
+# seconds a collective may wait: a day at most (torch keeps the bound in milliseconds; 1e308 overflows it), and a
+# checkpoint's bound at least 10 s (every rank writes and hashes its files inside it)
+MAX_COLLECTIVE_TIMEOUT = 86400.0
+MIN_CHECKPOINT_TIMEOUT = 10.0
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
@@ -174,7 +178,7 @@ class TrainConfig:
             )
         check_choice("train.nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_min("train.nonfinite_skips", self.nonfinite_skips, 1)
-        check_min("train.collective_timeout", self.collective_timeout, 1.0)
+        check_range("train.collective_timeout", self.collective_timeout, 1.0, MAX_COLLECTIVE_TIMEOUT)
         if self.nonfinite == "skip" and not ENGINE_SPECS[self.engine].skips_updates:
             raise ConfigError(
                 f"train.nonfinite: 'skip' is not supported with train.engine={self.engine} (it updates inside "
@@ -210,7 +214,12 @@ class CheckpointConfig:
         check_min("checkpoint.every", self.every, 0)
         check_min("checkpoint.keep", self.keep, 0)
         check_choice("checkpoint.unverifiable", self.unverifiable, UNVERIFIABLE_POLICIES)
-        check_min("checkpoint.collective_timeout", self.collective_timeout, 0.0)
+        value = self.collective_timeout
+        if value != 0 and not MIN_CHECKPOINT_TIMEOUT <= value <= MAX_COLLECTIVE_TIMEOUT:  # nan fails both
+            raise ConfigError(
+                f"checkpoint.collective_timeout: must be 0 (= train.collective_timeout) or in "
+                f"[{MIN_CHECKPOINT_TIMEOUT}, {MAX_COLLECTIVE_TIMEOUT}] seconds, got {value}"
+            )
 
 
 @dataclass

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from core.errors import ConfigError, require
+from core.files import open_regular
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint import FileSystemReader
@@ -102,7 +103,11 @@ def torch_load(
     globals; anything else in the file is a one-line ``ConfigError`` naming it."""
     try:
         with torch.serialization.safe_globals(list(allow)):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            if mmap:  # torch maps the file by its name: checked to be a regular file first
+                open_regular(path).close()
+                return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            with open_regular(path) as f:  # a FIFO in its place is an OSError, not a read that never returns
+                return torch.load(f, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as exc:
         raise _refusal(path, exc) from None
 
@@ -153,7 +158,7 @@ def read_dcp_metadata(directory: str | os.PathLike, name: str = DCP_METADATA) ->
 
     path = Path(directory) / name
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO is refused, not waited on
             metadata = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as exc:
         raise _refusal(path, exc) from None

@@ -1,4 +1,4 @@
-"""core.files.atomic_directory: the directory appears whole or not at all."""
+"""core.files: atomic_directory (the directory appears whole or not at all), open_regular (never waits on a FIFO)."""
 
 from __future__ import annotations
 
@@ -67,3 +67,25 @@ def test_the_readmes_export_folder_is_ignored_and_the_hf_package_is_not():
         ignored = subprocess.run(["git", "check-ignore", "-q", "hf/tiny/config.json"], cwd=REPO)
         source = subprocess.run(["git", "check-ignore", "-q", "model/hf/configs.py"], cwd=REPO)
         assert (ignored.returncode, source.returncode) == (0, 1)
+
+
+@pytest.mark.timeout(60)  # the hang it guards against fails the test rather than holding the suite
+def test_open_regular_refuses_a_fifo_without_waiting_and_reads_a_file_or_a_link_to_one(tmp_path):
+    """core.files.open_regular: a FIFO (whose open would wait for a writer), a directory, a device are one OSError
+    naming what the path is, at once; a regular file, or a symbolic link to one, reads as with open (issue 50)."""
+    from core.files import NotRegularFile, file_kind, open_regular, read_regular_text
+
+    fifo, folder, regular, link = tmp_path / "fifo", tmp_path / "dir", tmp_path / "f.txt", tmp_path / "link"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    regular.write_text("text")
+    link.symlink_to(regular)
+    for path, kind in ((fifo, "a FIFO"), (folder, "a directory"), ("/dev/null", "a character device")):
+        with pytest.raises(NotRegularFile) as info:
+            open_regular(path)
+        assert info.value.strerror == f"is {kind}, not a regular file" and str(path) in str(info.value)
+        assert file_kind(path) == kind
+    assert read_regular_text(regular) == read_regular_text(link) == "text"
+    assert file_kind(regular) is None and file_kind(tmp_path / "absent") is None
+    with open_regular(link) as f:
+        assert f.read() == b"text" and os.get_blocking(f.fileno())  # blocking again once known to be a file

@@ -152,3 +152,46 @@ def test_a_rank_stopped_during_a_save_ends_the_job_within_the_timeout_plus_grace
     assert len(lines) == 1 and f"train.collective_timeout={SAVE_TIMEOUT} s" in lines[0], err[-3000:]
     assert (run_dir / PREEMPTED_MARKER).is_file()  # the sbatch script requeues on it
     assert not (run_dir / "checkpoints" / "step_00000003").exists()
+
+
+class _StalledEngine:
+    """What ``Trainer._stalled`` asks of a two-rank engine whose rank 1 stopped answering."""
+
+    world_size = 2
+    collective_timeout: float | None = None
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        self.collective_timeout = seconds
+
+    def stalled(self) -> str:
+        return "rank 1 (last at step 3, 21 s ago)"
+
+    def end_stalled(self) -> None:
+        pass
+
+
+def test_the_stall_line_names_the_bound_that_fired(tmp_path, cache_dir):
+    """A collective timing out inside a checkpoint save or resume was bounded by checkpoint.collective_timeout:
+    the one line names that key and its value, not train.collective_timeout's (issue 50); one timing out in a step
+    names train.collective_timeout. In process, with the engine's answers staged (no process group)."""
+    from pretrain.loop import Trainer
+    from tests.pretrain.test_robustness import config
+
+    cfg = config(tmp_path / "run", cache_dir, **{"train.collective_timeout": 60, "checkpoint.collective_timeout": 20})
+    cfg.run_dir.mkdir(parents=True)
+    failure = RuntimeError("[../gloo/transport/tcp/pair.cc:534] Timed out waiting 20000ms for recv operation")
+    in_save, in_step = Trainer(cfg), Trainer(cfg)
+    for trainer in (in_save, in_step):
+        trainer.engine = _StalledEngine()
+        trainer.step_timeout = 60.0
+    with pytest.raises(RuntimeError), in_save._checkpoint_timeout():
+        raise failure
+    assert in_save.engine.collective_timeout == 60.0, "the step's bound is back in place"
+    assert in_save._stalled(failure)
+    assert in_save.error.startswith("checkpoint.collective_timeout: rank 1 (last at step 3, 21 s ago) stopped"), (
+        in_save.error
+    )
+    assert "no answer within checkpoint.collective_timeout=20 s" in in_save.error
+    in_step._bound_collectives(60.0, "train.collective_timeout")
+    assert in_step._stalled(failure)
+    assert "train.collective_timeout: rank 1" in in_step.error and "train.collective_timeout=60 s" in in_step.error

@@ -462,3 +462,44 @@ def test_prescored_hyper_swaps_in_at_evaluation(reference_run, tmp_path):
     # room for another machine's float rounding along the trajectory. (A residual weighted 1 instead of n/s moves it
     # by only ~0.001 here: catching that is a paper pin's job, not this end-to-end check's.)
     assert approx != exact and abs(approx - full) < 0.01, (approx, full)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_to_the_torchrun_script_exits_75_with_the_trainers_line_and_no_traceback(tmp_path, cache_dir):
+    """SIGTERM to ``launch/torchrun.sh`` (a preemption, ``kill`` of the job): the worker saves and exits 75, and so
+    does the script, with the trainer's one line and no traceback from torchrun (issue 50; it used to print a 25-line
+    ``SignalException`` traceback and exit 1). One process, a run long enough to be stopped in its first steps."""
+    from pretrain.signals import PREEMPTED_EXIT_CODE, PREEMPTED_MARKER
+    from tests.e2e.helpers import _env
+
+    run_dir = tmp_path / "run"
+    args = toy_args(
+        run_dir,
+        cache_dir,
+        **{"train.max_steps": 100_000, "train.log_every": 1, "checkpoint.every": 0, "eval.every": 0},
+        **{"log.wandb": "disabled", "log.tensorboard": False},
+    )
+    cmd = ["bash", str(REPO / "launch" / "torchrun.sh"), "1", "--config", str(TINY), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = run_dir / "metrics.jsonl"
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:
+            if metrics.is_file() and metrics.read_text().count("\n") >= 1:  # training: signals are deferred now
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == PREEMPTED_EXIT_CODE, (proc.returncode, err[-3000:])
+    assert "Traceback" not in err and "SignalException" not in err, err[-3000:]
+    said = [line for line in out.splitlines() if line.startswith("preemption signal (SIGTERM): saving at step")]
+    assert len(said) == 1 and said[0].endswith(f"exiting with {PREEMPTED_EXIT_CODE}"), out[-3000:]
+    step = int(said[0].split("saving at step ")[1].split()[0])
+    assert (run_dir / PREEMPTED_MARKER).read_text().strip() == str(step)
+    assert (run_dir / "checkpoints" / f"step_{step:08d}" / "meta.json").is_file()

@@ -113,6 +113,25 @@ def test_readme_eval_command_exits_0(index, root, shared_data, monkeypatch, capf
     assert err.count(beyond) == (1 if long_context else 0), err[-3000:]
 
 
+def test_the_two_needle_lines_keep_both_grids_and_plots(root, shared_data, monkeypatch, capfd):
+    """The README's two needle lines (noise haystack, then essay / multikey) keep their own results (issue 50):
+    the second does not replace the first's grid and plot in the step's results file. They ran in order above;
+    run alone, this test runs whichever of them has no entry yet."""
+    lines = [c for c in COMMANDS if re.search(r"--tasks [\w,]*needle", c)]
+    keys = ["needle", "needle[kind=multikey,haystack=essay]"]
+    assert len(lines) == 2 and "--needle-kind multikey" in lines[1], lines
+    results_file = root / "runs" / "tiny" / "eval" / f"step_{STEPS:08d}.json"
+    for line, key in zip(lines, keys):
+        if key not in (json.loads(results_file.read_text()) if results_file.is_file() else {}):
+            assert run_readme_command(line, root, shared_data, monkeypatch) == 0, capfd.readouterr().err[-3000:]
+    results = json.loads(results_file.read_text())
+    plots = {results[key]["plot"] for key in keys}
+    assert len(plots) == 2 and all((root / plot).is_file() for plot in plots), plots
+    assert results[keys[0]]["grid"] != results[keys[1]]["grid"]  # 512 and 1024 tokens, then 1024 alone
+    assert "--needle-kind" in results["provenance"][keys[1]]["command"]
+    assert "--needle-kind" not in results["provenance"][keys[0]]["command"]
+
+
 def test_a_bad_length_fails_before_any_task_runs(root, monkeypatch, capfd):
     from eval import run
 

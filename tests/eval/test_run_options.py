@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from eval.run import _build_parser, longest_input
 
 
@@ -52,3 +54,40 @@ def test_results_accumulate_per_task_with_time_and_command(tmp_path, capsys):
     out.write_text("{not json")
     write_results(out, {"checkpoint": other, "step": 4, "sample": {"text": "t"}}, command="E")
     assert "not a results file" in capsys.readouterr().err and json.loads(out.read_text())["sample"]
+
+
+@pytest.mark.parametrize(
+    "earlier",
+    [b'{"checkpoint": "a\\u0000b", "step": 1}', b'{"checkpoint": "x", "n": ' + b"9" * 5000 + b"}"],
+    ids=["nul-in-checkpoint", "5000-digits"],
+)
+def test_an_earlier_file_json_cannot_take_is_replaced_with_one_note(earlier, tmp_path, capsys):
+    """A results file holding a NUL in its checkpoint path, or an integer past Python's 4,300-digit limit: the new
+    results are written with one note, never a traceback after the task ran (issue 50)."""
+    import json
+
+    from eval.run import write_results
+
+    out, ckpt = tmp_path / "r.json", str(tmp_path / "checkpoints" / "step_00000002")
+    out.write_bytes(earlier)
+    write_results(out, {"checkpoint": ckpt, "step": 2, "ppl": {"loss": 3.0}}, command="A")
+    assert json.loads(out.read_text())["ppl"] == {"loss": 3.0}
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"note: {out}") and err.rstrip().endswith("replaced"), err
+
+
+def test_grid_results_are_keyed_by_the_options_that_make_another_test():
+    """The README's two needle lines (noise / single, then essay / multikey) keep their own entries (issue 50):
+    the key names needle's kind and haystack, and kv_retrieval's file, when they are not the defaults."""
+    from eval.run import result_key
+
+    def key(task: str, *argv: str) -> str:
+        return result_key(task, _build_parser().parse_args(["--run", "r", *argv]))
+
+    assert key("needle") == "needle" and key("kv_retrieval") == "kv_retrieval" and key("rag") == "rag"
+    essay = key("needle", "--haystack", "essay", "--needle-kind", "multikey")
+    assert essay == "needle[kind=multikey,haystack=essay]"
+    assert key("needle", "--needle-kind", "multivalue") == "needle[kind=multivalue]"
+    assert key("kv_retrieval", "--kv-file", "/d/kv-retrieval-300_keys.jsonl.gz") == (
+        "kv_retrieval[file=kv-retrieval-300_keys.jsonl.gz]"
+    )

@@ -1003,3 +1003,114 @@ def test_issue_50_user_rows_each_name_a_test_that_exists():
         text = (REPO / path).read_text()
         assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
         assert not param or f'"{param.rstrip("]")}"' in text, a
+
+
+# ---- issue 50: results silently wrong, hangs, tracebacks after the work was done ------------------------------
+
+# the rows of issue 50's "Data and results silently wrong", "Hangs" and "Tracebacks after the work was done"
+# (backticks dropped); its "What a new user trips on" rows are listed apart
+TABLE_50_ABUSE = (
+    "a valid but different tokenizer.model put into a checkpoint (its meta.json untouched): eval.run scores with it "
+    "and pretrain.export --format hf ships it",
+    "after checkpoint.unverifiable = start_over, eval/step_N.json keeps the old model's results beside the new "
+    "model's; the old run's metrics.jsonl is deleted, not moved aside with its checkpoints",
+    "the README's two needle lines store under the same key, so the second replaces the first's grid and its plot",
+    "trainer.pt replaced by a FIFO: resume blocks",
+    "a DCP-only checkpoint whose dcp/.metadata is a FIFO: export blocks",
+    "a FIFO as tokenizer_config.json in a data.tokenizer folder: training blocks in open",
+    "eval.run --out that is a directory, on a read-only filesystem, or under /proc: the task runs, then a traceback",
+    'a results file holding "a\\u0000b" or a 5,000-digit number: a traceback after the task ran',
+    "--ppl-data without a document of two tokens: ValueError traceback",
+    "train.collective_timeout = 1e308 passes --dry-run, then every rank dies with OverflowError",
+    "checkpoint.collective_timeout = 0.001 is accepted, and the first save then fails",
+    "the timeout messages name train.collective_timeout and its value even when checkpoint.collective_timeout fired",
+    "SIGTERM to launch/torchrun.sh: torchrun prints a 25-line SignalException traceback and the command exits 1",
+)
+_BAD_INPUT = "tests/test_reliability.py::test_bad_input_is_one_line"
+_FIFO_EXPORT = f"{INTEGRITY}::test_a_fifo_as_the_dcp_metadata_of_a_dcp_only_checkpoint_is_one_line_on_export"
+ATTACKS_50_ABUSE = [
+    *(
+        Attack(f"other-tokenizer-{case}", TABLE_50_ABUSE[0], "single", f"{_BAD_INPUT}[{case}-other-tokenizer]")
+        for case in ("eval", "export", "export-hf")
+    ),
+    Attack("start-over-moves-records", TABLE_50_ABUSE[1], "single", _EVERY_META_DELETED),
+    Attack(
+        "needle-lines-keyed",
+        TABLE_50_ABUSE[2],
+        "any",
+        "tests/eval/test_readme_commands.py::test_the_two_needle_lines_keep_both_grids_and_plots",
+    ),
+    Attack(
+        "needle-key-unit",
+        TABLE_50_ABUSE[2],
+        "any",
+        "tests/eval/test_run_options.py::test_grid_results_are_keyed_by_the_options_that_make_another_test",
+    ),  # fmt: skip
+    Attack(
+        "fifo-trainer-state",
+        TABLE_50_ABUSE[3],
+        "single",
+        f"{INTEGRITY}::test_a_fifo_as_the_newest_trainer_state_is_skipped_not_waited_on",
+    ),
+    *(
+        Attack(f"fifo-dcp-metadata-{m}", TABLE_50_ABUSE[4], "any", f"{_FIFO_EXPORT}[{m}]")
+        for m in ("untouched", "resealed")
+    ),
+    Attack("fifo-tokenizer-config", TABLE_50_ABUSE[5], "any", f"{_BAD_INPUT}[tokenizer-config-fifo]"),
+    *(
+        Attack(f"eval-out-{case}", TABLE_50_ABUSE[6], "any", f"{_BAD_INPUT}[eval-out-{case}]")
+        for case in ("a-directory", "read-only", "proc")
+    ),
+    *(
+        Attack(f"results-file-{case}", TABLE_50_ABUSE[7], "any", f"{_BAD_INPUT}[results-file-{case}]")
+        for case in ("nul", "5000-digits")
+    ),
+    *(
+        Attack(
+            f"results-file-unit-{case}",
+            TABLE_50_ABUSE[7],
+            "any",
+            f"tests/eval/test_run_options.py::test_an_earlier_file_json_cannot_take_is_replaced_with_one_note[{case}]",
+        )
+        for case in ("nul-in-checkpoint", "5000-digits")
+    ),
+    Attack("ppl-data-no-two-tokens", TABLE_50_ABUSE[8], "any", f"{_BAD_INPUT}[ppl-data-no-two-tokens]"),
+    Attack("collective-timeout-1e308", TABLE_50_ABUSE[9], "any", f"{_BAD_INPUT}[collective-timeout-1e308]"),
+    Attack(
+        "checkpoint-collective-timeout-tiny",
+        TABLE_50_ABUSE[10],
+        "any",
+        f"{_BAD_INPUT}[checkpoint-collective-timeout-tiny]",
+    ),
+    Attack(
+        "timeout-key-that-fired",
+        TABLE_50_ABUSE[11],
+        "any",
+        "tests/e2e/test_stalled_rank.py::test_the_stall_line_names_the_bound_that_fired",
+    ),
+    Attack(
+        "sigterm-torchrun-script",
+        TABLE_50_ABUSE[12],
+        "single",
+        "tests/e2e/test_train_cli.py::"
+        "test_sigterm_to_the_torchrun_script_exits_75_with_the_trainers_line_and_no_traceback",
+    ),
+]
+
+
+def test_issue_50_abuse_rows_each_name_a_test_that_exists():
+    """Every row of issue 50's "silently wrong", "hangs" and "tracebacks after the work" sections has a case; each
+    case names a test (``path::function[param]``) whose file defines the function and holds the parameter id."""
+    assert len({a.id for a in ATTACKS_50_ABUSE}) == len(ATTACKS_50_ABUSE), "case ids are unique"
+    assert {a.row for a in ATTACKS_50_ABUSE} == set(TABLE_50_ABUSE)
+    assert not {a.id for a in ATTACKS_50_ABUSE} & {a.id for a in ATTACKS + ATTACKS_41_CHECKPOINTS}, "unique ids"
+    from tests import test_reliability as table  # its rows' ids are built there ("{name}-other-tokenizer")
+
+    rows = {c.id for c in table.CASES + table.TRAINER_CASES + table.ISSUE_50_CASES}
+    for a in ATTACKS_50_ABUSE:
+        path, _, rest = a.test.partition("::")
+        name, _, param = rest.partition("[")
+        text = (REPO / path).read_text()
+        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
+        param = param.rstrip("]")
+        assert not param or (param in rows if path == "tests/test_reliability.py" else f'"{param}"' in text), a

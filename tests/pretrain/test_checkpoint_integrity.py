@@ -318,7 +318,8 @@ def test_every_manifest_deleted_the_relaunch_refuses_in_one_line_and_touches_not
     """Every checkpoint's meta.json deleted (a partial restore, a cleanup of *.json), the same command again: exit
     2, one line naming what is missing and how to start over on purpose, every step directory byte-identical;
     with checkpoint.unverifiable=start_over the step directories move to checkpoints/damaged/ (still
-    byte-identical) and training starts from step 0."""
+    byte-identical), the run's metrics.jsonl and eval/ results with them (issue 50), and training starts from
+    step 0."""
     import shutil
 
     from pretrain.train import main
@@ -340,13 +341,25 @@ def test_every_manifest_deleted_the_relaunch_refuses_in_one_line_and_touches_not
     assert "use a new run.dir, or set checkpoint.unverifiable=start_over" in err
     assert _tree(root) == before
 
+    # the old model's records: its training metrics and an evaluation of its step 4 (issue 50)
+    (run_dir / "eval").mkdir()
+    (run_dir / "eval" / "step_00000004.json").write_text('{"checkpoint": "old", "step": 4, "ppl": {"loss": 7.0}}\n')
+    records = {name: _tree(run_dir / name) if name == "eval" else {name: checksums.file_digest(run_dir / name)}
+               for name in ("metrics.jsonl", "eval")}  # fmt: skip
+    assert (run_dir / "metrics.jsonl").stat().st_size > 0
     trainer = Trainer(config(run_dir, cache, **{"checkpoint.unverifiable": "start_over"}))
     trainer.setup()
     trainer.release_run_dir()
     assert trainer.step == 0 and ckpt.step_directories(run_dir) == []
-    assert _tree(root / "damaged") == before
+    damaged = _tree(root / "damaged")
+    assert {k: v for k, v in damaged.items() if k.startswith("step_")} == before
+    # moved aside with the checkpoints, byte for byte: nothing of the old model beside the new one's, nothing deleted
+    assert not (run_dir / "eval").exists() and not (run_dir / "metrics.jsonl").exists()
+    assert {k.removeprefix("eval/"): v for k, v in damaged.items() if k.startswith("eval/")} == records["eval"]
+    assert damaged["metrics.jsonl"] == records["metrics.jsonl"]["metrics.jsonl"]
     out = capsys.readouterr().out
     assert "checkpoint.unverifiable=start_over: moved 2 step directories that cannot be verified" in out, out
+    assert "with the run's metrics.jsonl and eval to" in out, out
 
 
 @pytest.mark.slow  # a few seconds of set-up (no training)
@@ -374,3 +387,69 @@ def test_a_newest_checkpoint_without_a_good_manifest_is_skipped_with_one_line(
     skips = [line for line in out.splitlines() if line.startswith("warning: skipping a damaged checkpoint")]
     assert len(skips) == 1 and str(newest) in skips[0] and words in skips[0], out
     assert (run_dir / "checkpoints" / "damaged" / "step_00000004").is_dir()  # kept, out of the way
+
+
+# ---- issue 50: a FIFO where a checkpoint file was (reading it would wait for a writer until killed) -------------
+
+
+def _fifo_in_place_of(path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+@pytest.mark.slow  # a few seconds of set-up (no training)
+@pytest.mark.timeout(120)  # the hang this stages fails the test rather than holding the suite
+def test_a_fifo_as_the_newest_trainer_state_is_skipped_not_waited_on(stopped_at_4, tmp_path, cache, capsys):
+    """``trainer.pt`` of the newest checkpoint replaced by a FIFO: the relaunch skips it with one line naming it
+    and resumes from the previous checkpoint (it used to block in open until killed)."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(stopped_at_4, run_dir)
+    (run_dir / ".lock").unlink(missing_ok=True)
+    newest = run_dir / "checkpoints" / "step_00000004"
+    _fifo_in_place_of(newest / "trainer.pt")
+    capsys.readouterr()
+    trainer = Trainer(config(run_dir, cache))
+    trainer.setup()
+    trainer.release_run_dir()
+    out = capsys.readouterr().out
+    assert trainer.step == 2 and "step_00000002 at step 2" in out, out
+    skips = [line for line in out.splitlines() if line.startswith("warning: skipping a damaged checkpoint")]
+    assert len(skips) == 1 and f"{newest / 'trainer.pt'} cannot be read (is a FIFO, not a regular file)" in skips[0]
+
+
+@pytest.mark.slow  # a few seconds of set-up (no training)
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("manifest", ["untouched", "resealed"])
+def test_a_fifo_as_the_dcp_metadata_of_a_dcp_only_checkpoint_is_one_line_on_export(
+    stopped_at_4, tmp_path, manifest, capsys
+):
+    """A checkpoint whose weights are only in ``dcp/`` (the parallel engines' shards, ``model.safetensors`` removed)
+    with ``dcp/.metadata`` a FIFO: ``pretrain.export`` stops with one line naming it (it used to block). With the
+    manifest untouched the verifier names it; resealed (as whoever swapped it could), the DCP reader refuses it."""
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from pretrain.export import main as export
+    from tests.conftest import reseal_checkpoint
+
+    checkpoint = tmp_path / "step_00000004"
+    shutil.copytree(stopped_at_4 / "checkpoints" / checkpoint.name, checkpoint)
+    weights = load_file(checkpoint / "model.safetensors")
+    with pytest.warns(UserWarning, match="torch.distributed is disabled"):
+        dcp.save({"model": weights}, checkpoint_id=str(checkpoint / "dcp"), no_dist=True)
+    (checkpoint / "model.safetensors").unlink()
+    reseal_checkpoint(checkpoint)
+    metadata = checkpoint / "dcp" / ".metadata"
+    _fifo_in_place_of(metadata)
+    if manifest == "resealed":
+        reseal_checkpoint(checkpoint)  # records only regular files: the FIFO is not among them
+    capsys.readouterr()
+    assert export(["--checkpoint", str(checkpoint), "--out", str(tmp_path / "out.safetensors")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: ") and str(metadata) in err, err
+    assert "is a FIFO, not" in err, err
+    assert not (tmp_path / "out.safetensors").exists()
