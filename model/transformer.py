@@ -136,6 +136,9 @@ class Block(nn.Module):
         a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache, documents=documents)
         x = x + self.drop(a.output)
         x = x + self.drop(self.mlp(self.norm2(x)))
+        # the attention output is in the residual stream now; handed out with its graph, FSDP2 hooked it as a second
+        # output of the block, a view under tensor parallelism (DTensor.to_local), and warned (docs/parallel.md)
+        a.output = a.output.detach()
         return x, a
 
 

@@ -147,6 +147,12 @@ class ParallelLayout:
     def label(self) -> str:
         return "x".join(str(n) for n in self.mesh_shape)
 
+    def describe(self, engine: str) -> str:
+        """The console's one line naming the layout a run trains on: ``layout: dp_replicate 1 x dp_shard 1 x cp 1 x
+        tp 2 (world 2, fsdp2)``."""
+        dims = " x ".join(f"{name} {size}" for name, size in zip(MESH_DIMS, self.mesh_shape, strict=True))
+        return f"layout: {dims} (world {self.world}, {engine})"
+
     def coordinates(self, rank: int) -> RankCoordinates:
         """Global ``rank``'s place in the mesh: ranks fill ``mesh_shape`` in row-major order, tp innermost, as
         ``init_device_mesh`` lays out ``arange(world)``."""

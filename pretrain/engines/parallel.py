@@ -179,10 +179,15 @@ class DataParallelEngine(Engine):
     def write_state(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+        from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
 
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
-        full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        # a parameter that FSDP2 and TP split on the same dimension (_StridedShard, Shard) gathers in two all-gathers
+        # that torch cannot merge into one and warns so on every rank at each save; its merge pass has nothing to merge
+        # in these state dicts (the other placements gather once, or on different dimensions): skip it
+        with disable_redistribute_transform_optimization():
+            full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
             self._write_consolidated(directory, cast("dict[str, Tensor]", full))  # a full state dict: tensors only
 

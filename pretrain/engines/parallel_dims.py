@@ -7,6 +7,7 @@ Flattened views (``DeviceMesh._flatten``) serve one purpose each:
 - ``dp_shard_cp`` (``dp_shard x cp``): what FSDP2 shards over (with ``dp_replicate`` in front for HSDP);
   CP ranks hold different tokens, so their gradients are reduced like data parallel ones.
 - ``dp_cp`` (``dp x cp``): token counts and loss sums (the TP ranks of one replica hold the same loss).
+- ``dp_shard_cp_tp`` (``dp_shard x cp x tp``): the gradient norm's one all-reduce (DTensor's own lookup).
 
 The degrees, their products and checks are ``run.parallel.ParallelLayout`` (from the config alone, before any
 process); this module only lays them onto devices.
@@ -47,6 +48,9 @@ class ParallelDims:
         views = {
             "dp_shard_cp": mesh["dp_shard", "cp"]._flatten("dp_shard_cp"),
             "dp_cp": mesh["dp_replicate", "dp_shard", "cp"]._flatten("dp_cp"),
+            # not read here: DTensor finds it by its ranks' layout and reduces the gradient norm, partial over FSDP2's
+            # shards and the TP ranks, in one all-reduce (without it: two in a row, and a warning on every rank)
+            "dp_shard_cp_tp": mesh["dp_shard", "cp", "tp"]._flatten("dp_shard_cp_tp"),
         }
         return cls(layout, mesh, views)
 

@@ -53,8 +53,14 @@ def run_sequence(
     else:
         cmd = [sys.executable, *module]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout, env={**_env(), **(env or {})})
+    console(status).write_text(proc.stdout + proc.stderr)  # what the launch printed, every rank
     done = json.loads(status.read_text()) if status.is_file() else {}
     return {name: done.get(name) or f"launch: exit {proc.returncode}\n{why(proc)}" for name in runs}
+
+
+def console(status: Path) -> Path:
+    """Where ``run_sequence`` keeps the stdout and stderr of the launch that wrote ``status``."""
+    return status.with_suffix(".console.txt")
 
 
 def shared_launch(

@@ -178,6 +178,10 @@ def test_one_voice_per_job(engine_runs, label):
     assert console.count(saved) == 1, console[-3000:]
     assert warning in (run / "logs" / "rank_1.log").read_text()
     assert not (run / "logs" / "rank_0.log").exists()
+    # issue 50: the layout, once (data parallel only: ZeRO and FSDP2 shard, DDP's replicas count as dp_shard too)
+    engine = ENGINES[label]["train.engine"]
+    layout = f"layout: dp_replicate 1 x dp_shard 2 x cp 1 x tp 1 (world 2, {engine})"
+    assert console.count("layout: ") == console.count(layout) == 1, console[-3000:]
 
 
 def test_data_parallel_engine_errors(tmp_path, cache_dir):

@@ -18,6 +18,8 @@ on the same global batches; the CP ranks of a replica split each sequence. The s
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from model.attention import registry
 from pretrain.resume_config import HISTORY_PREFIX
 from tests.e2e.helpers import (
     all_losses,
+    console,
     run_sequence,
     runs_of,
     shared_launch,
@@ -233,6 +236,38 @@ def test_layout_equals_the_single_process_run(layout, case, root, cache_dir):
     SUMMARY[(layout, case)] = worst
     for key in ("loss", "grad_norm", "val_loss"):
         assert worst[key] <= TOL, f"{key}: worst relative difference {worst[key]:.3g} against the single-process run"
+
+
+def _layout_line(args: list[str], nproc: int) -> str:
+    """The layout line a run of ``args`` (``--set key=value`` pairs) in a launch of ``nproc`` processes prints."""
+    pairs = [kv.split("=", 1) for flag, kv in zip(args[::2], args[1::2]) if flag == "--set"]
+    sets = {key: value.strip('"') for key, value in pairs}
+    tp, cp, world = int(sets.get("train.parallel.tp", 1)), int(sets.get("train.parallel.cp", 1)), max(nproc, 1)
+    dims = f"dp_replicate 1 x dp_shard {world // (cp * tp)} x cp {cp} x tp {tp}"
+    return f"layout: {dims} (world {world}, {sets.get('train.engine', 'single')})"
+
+
+@pytest.mark.parametrize("group", list(LAUNCH_GROUPS))
+def test_the_console_names_each_layout_once_and_carries_no_torch_warning(group, root, cache_dir):
+    """Issue 50: a launch's console (every rank's stdout and stderr) says each run's layout in one line (rank 0's)
+    and holds none of torch's per-rank warnings: DTensor's ``[rank0]:W ... _redistribute`` (the gradient norm's two
+    all-reduces, the consolidated checkpoint's two all-gathers) and FSDP2's "returned a view tensor" (the block
+    handed out the attention output, a view under TP); docs/parallel.md, "Warnings". The tp=2 runs are the ``two``
+    launch's, with the cp=2 runs and the tp=2 resumes."""
+    status = _group_launch(group, root, cache_dir)
+    path = root / f"{group}.status.json"
+    text = console(path).read_text()
+    spec = json.loads(path.with_suffix(".spec.json").read_text())["runs"]
+    assert all(s == "ok" for s in status.values()), status
+    torch_warnings = [line for line in text.splitlines() if re.match(r"\[rank\d+\]:W", line)]
+    assert not torch_warnings, "\n".join(torch_warnings[:4])
+    assert "returned a view tensor" not in text and "UserWarning" not in text, text[-3000:]
+    nproc = LAYOUTS[LAUNCH_GROUPS[group][0]][0]
+    # found anywhere in a line: the ranks share the console, and another rank's line may lack its newline yet
+    printed = Counter(re.findall(r"layout: [^(\n]*\([^)\n]*\)", text))
+    assert printed == Counter(_layout_line(args, nproc) for args in spec.values()), printed
+    if group == "two":  # the row of issue 50: tp=2 alone
+        assert printed["layout: dp_replicate 1 x dp_shard 1 x cp 1 x tp 2 (world 2, fsdp2)"] >= len(_cases("tp2"))
 
 
 _resumed: dict[str, dict[str, str]] = {}

@@ -138,3 +138,12 @@ def test_model_parallel_degrees_divide_the_world_with_tp_within_a_node():
         (2, 2),
         (4, 2),
     ]
+
+
+def test_the_console_line_names_every_degree_and_the_world():
+    """Issue 50: the one line a run prints (rank 0) says its layout, dp x cp x tp, whatever the engine."""
+    assert (
+        ParallelLayout(2, 3, 1, 2).describe("fsdp2")
+        == "layout: dp_replicate 2 x dp_shard 3 x cp 1 x tp 2 (world 12, fsdp2)"
+    )
+    assert ParallelLayout().describe("single") == "layout: dp_replicate 1 x dp_shard 1 x cp 1 x tp 1 (world 1, single)"
