@@ -4,7 +4,7 @@ folded yet, so decode reads far fewer keys than full attention keeps (docs/dga.m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -33,6 +33,9 @@ class GroupedKVCache(Attention):
             self, q: Tensor, k: Tensor, v: Tensor
         ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]: ...
         def _needed_chunks(self, last_query_pos: int) -> int: ...
+        def _fast(
+            self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, step: Any = None
+        ) -> AttnOut: ...
         def _attend_window(
             self,
             q: Tensor,
@@ -68,10 +71,15 @@ class GroupedKVCache(Attention):
         cache: KVCache | None = None,
         documents: Tensor | None = None,
         context_parallel: CPRunner | None = None,
+        step: Any = None,
     ) -> AttnOut:
         """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
         entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
-        freed on first use and never appended to; ``cache.length`` still counts every token."""
+        freed on first use and never appended to; ``cache.length`` still counts every token. ``step``
+        (``prepare_step``, a whole sequence from position 0): the fast path takes the shared state."""
+        if step is not None and cache is None and documents is None and context_parallel is None:
+            if self.impl != "reference":
+                return self._fast(q, q, k, v, positions, step)
         if cache is None or documents is not None:
             return super().forward(
                 q,
