@@ -79,6 +79,19 @@ class DynamicGroupAttention(GroupedKVCache):
         integer output, so the backward does not recompute the importance scores, their top-k and the ordering."""
         return (*super().attention_ops(), torch.ops.dga.focal_order.default)
 
+    def saved_activation_bytes(
+        self, *, q_tokens: int, k_tokens: int, heads: int, kv_heads: int, dtype_bytes: int
+    ) -> int:
+        """A fused kernel's (q, k, v, output, logsumexp), plus what DGA keeps: the second FlexAttention call's output
+        and logsumexp (raw window and entries are two calls), the compressed entries' keys and values at the query
+        heads (E per chunk of C keys) and the saved focal selection (one int64 per key and query head)."""
+        base = super().saved_activation_bytes(
+            q_tokens=q_tokens, k_tokens=k_tokens, heads=heads, kv_heads=kv_heads, dtype_bytes=dtype_bytes
+        )
+        d, c = self.spec.head_dim, self.cfg.chunk_size
+        entries = k_tokens * self._entries_per_chunk() // c
+        return base + (q_tokens * d + 2 * entries * d) * heads * dtype_bytes + (4 * q_tokens + 8 * k_tokens) * heads
+
     def prepare_step(self, seq_len: int, device: torch.device) -> DGAStep | None:
         """The causal form's per-step state (``DGAStep``), built once per length, options and device and shared by
         every layer and step; the sequence form has none."""
