@@ -72,6 +72,7 @@ class SelfAttention(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         cache: KVCache | None,
         documents: Tensor | None = None,
+        step: Any = None,
     ) -> AttnOut:
         b, t, _ = x.shape
         # heads from the projections' sizes: under tensor parallelism a rank holds n_heads / tp of them
@@ -85,7 +86,9 @@ class SelfAttention(nn.Module):
         # under CP the core runs context_parallel_attention (through its module call: hooks on the core, such as
         # tensor parallelism's local-tensor swap, see the CP path too); a KV cache (generation) ignores CP
         cp = self.context_parallel if cache is None else None
-        out = self.core(q, k, v, hidden=x, positions=positions, cache=cache, documents=documents, context_parallel=cp)
+        out = self.core(
+            q, k, v, hidden=x, positions=positions, cache=cache, documents=documents, context_parallel=cp, step=step
+        )
         out.output = self.wo(out.output.transpose(1, 2).reshape(b, t, -1))
         return out
 
@@ -113,12 +116,21 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         cache: KVCache | None,
         documents: Tensor | None = None,
+        step: Any = None,
     ) -> tuple[Tensor, AttnOut]:
+        """``step``: the attention core's per-step state (``Attention.prepare_step``), shared by every layer."""
         if self.recomputes(x, cache) and gpu_paths_active(x):
             return checkpointed(
-                self.layer, self.checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents
+                self.layer,
+                self.checkpointing,
+                x,
+                positions=positions,
+                rope=rope,
+                cache=None,
+                documents=documents,
+                step=step,
             )
-        return self.layer(x, positions=positions, rope=rope, cache=cache, documents=documents)
+        return self.layer(x, positions=positions, rope=rope, cache=cache, documents=documents, step=step)
 
     def recomputes(self, x: Tensor, cache: KVCache | None) -> bool:
         """Whether this forward runs under activation checkpointing (training, with gradients, no cache)."""
@@ -132,8 +144,9 @@ class Block(nn.Module):
         rope: tuple[Tensor, Tensor] | None,
         cache: KVCache | None,
         documents: Tensor | None = None,
+        step: Any = None,
     ) -> tuple[Tensor, AttnOut]:
-        a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache, documents=documents)
+        a = self.attn(self.norm1(x), positions=positions, rope=rope, cache=cache, documents=documents, step=step)
         x = x + self.drop(a.output)
         x = x + self.drop(self.mlp(self.norm2(x)))
         # the attention output is in the residual stream now; handed out with its graph, FSDP2 hooked it as a second
@@ -331,14 +344,26 @@ class Transformer(nn.Module):
         stats: dict[str, Tensor] = {}
         layer_stats: list[dict[str, Tensor]] = []
         outside = not gpu_paths_active(x)  # the CPU paths: the block is checkpointed from here (Block.__init__)
+        # what every layer's attention shares (a block mask that depends only on the shape, ...): built once here,
+        # outside the compiled blocks, for whole-sequence forwards (Attention.prepare_step)
+        step = None
+        if cp is None and not caches and documents is None and len(self.blocks):
+            step = self.blocks[0].attn.core.prepare_step(t, idx.device)
         for i, block in enumerate(self.blocks):
             cache = caches[i] if caches else None
             if outside and block.recomputes(x, cache):
                 x, a = checkpointed(
-                    block, block.checkpointing, x, positions=positions, rope=rope, cache=None, documents=documents
+                    block,
+                    block.checkpointing,
+                    x,
+                    positions=positions,
+                    rope=rope,
+                    cache=None,
+                    documents=documents,
+                    step=step,
                 )
             else:
-                x, a = block(x, positions=positions, rope=rope, cache=cache, documents=documents)
+                x, a = block(x, positions=positions, rope=rope, cache=cache, documents=documents, step=step)
             if a.aux_loss is not None:
                 aux = a.aux_loss if aux is None else aux + a.aux_loss
             for key, value in a.stats.items():

@@ -273,7 +273,7 @@ MUTATIONS: tuple[Mutation, ...] = (
     ),
     Mutation(
         "dga-least-important-focal",
-        "model/attention/dga/module.py",
+        "model/attention/dga/select.py",
         (("importance.topk(r, dim=-1).indices", "importance.topk(r, dim=-1, largest=False).indices"),),
         "dga: the least important keys kept focal",
         DGA,

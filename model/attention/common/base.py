@@ -173,6 +173,16 @@ class Attention(nn.Module):
         parameter outside the variants' own (``*.core.*``) trains. False is a centroid-only phase (Focus applies
         its entropy penalty only then). Derived from the trainable set, so nothing needs checkpointing."""
 
+    def prepare_step(self, seq_len: int, device: torch.device) -> Any:
+        """Per-step state every layer of this variant shares, built once per forward by ``Transformer.forward``
+        (from the first layer's core, outside the compiled blocks) and passed to each layer's ``forward`` as
+        ``step``: what depends only on the shape and the variant's options, not on a layer's tensors (DGA: its
+        FlexAttention block masks and sampled query offsets), so it is not rebuilt in every layer and every
+        recompute. Asked only for whole-sequence forwards from position 0 (no cache, no context parallelism, no
+        document masking) of ``seq_len`` tokens on ``device``. Default: None (nothing shared). A layer must give the
+        same result with ``step=None`` (it then builds what it needs itself)."""
+        return None
+
     def forward(
         self,
         q: Tensor,
@@ -184,12 +194,14 @@ class Attention(nn.Module):
         cache: KVCache | None = None,
         documents: Tensor | None = None,
         context_parallel: CPRunner | None = None,
+        step: Any = None,
     ) -> AttnOut:
         """q: [B, Hq, T, D]; k, v: [B, Hkv, T, D]; hidden: [B, T, d_model]; positions: [T] absolute
         positions of the T tokens. documents: [B, T] document index per token (document-aware
         masking; model/documents.py). context_parallel: this rank holds its CP chunks of the sequence
         (positions global; documents then the WHOLE sequence's [B, T] ids); run through the module call so that
-        hooks on the core (tensor parallelism's local-tensor swap) see the CP path too."""
+        hooks on the core (tensor parallelism's local-tensor swap) see the CP path too. step: ``prepare_step``'s
+        result for this forward (None: not prepared); the default ignores it."""
         if context_parallel is not None and cache is None:
             return context_parallel.attend(self, q, k, v, hidden=hidden, positions=positions, documents=documents)
         if documents is not None:

@@ -28,13 +28,16 @@ calls over ranges of one compressed key list per layer and of the raw keys, merg
 Cached calls (and ``impl = "gathered"``): one softmax over the gathered ``[focal; aggregated;
 complementary/window]`` keys, so the work is about L (r + (L-r)/m + window) instead of L^2; on CUDA (no cache) a
 FlexAttention ``mask_mod`` over ``[compressed; raw]`` keys whose block mask skips the invisible raw blocks
-(``flex.py``).
+(``flex.py``; training: a raw-window call and an entries call merged by logsumexp, their block masks built once per
+step and shape by ``prepare_step`` and shared by every layer).
 Both paths share the compression (importance, selection, aggregation); the selection is a
 discrete choice (no gradient), aggregation weights carry gradients to q and k.
 
 Decode. Causal form: a chunk is folded into the grouped cache when the first query that may
 see it arrives; the cache holds the compressed chunks plus the raw current and previous chunk
-(plus the queries of the chunks not yet folded). Sequence form: the paper's section 5.1 rule:
+(plus the queries of the chunks not yet folded). On the GPU a decoded token takes a static-shape step over
+the whole buffers with device-side counts (``cached.decode_step`` / ``fold_step``: CUDA-graph capturable).
+Sequence form: the paper's section 5.1 rule:
 prefill compresses the prompt, decode keeps new tokens raw until m' = ceil(decode_fold * m) of
 them, then keeps the top m'-m as focal and folds the other m into one group, weights from the
 last query. Either way nothing else is kept: the base cache's raw ``max_len`` buffers are freed.

@@ -4,13 +4,16 @@ folded yet, so decode reads far fewer keys than full attention keeps (docs/dga.m
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPRunner, KVCache, kv_cache_nbytes
+from model.attention.common.flex import gpu_paths_active
+from model.attention.dga.compressed import sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
 
 if TYPE_CHECKING:
@@ -33,6 +36,22 @@ class GroupedKVCache(Attention):
             self, q: Tensor, k: Tensor, v: Tensor
         ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]: ...
         def _needed_chunks(self, last_query_pos: int) -> int: ...
+        def compress(
+            self,
+            q: Tensor,
+            k: Tensor,
+            v: Tensor,
+            starts: Tensor,
+            n: int,
+            window: int,
+            offsets: Tensor,
+            *,
+            q_base: int = 0,
+            k_base: int = 0,
+        ) -> Compressed: ...
+        def _fast(
+            self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, step: Any = None
+        ) -> AttnOut: ...
         def _attend_window(
             self,
             q: Tensor,
@@ -68,10 +87,15 @@ class GroupedKVCache(Attention):
         cache: KVCache | None = None,
         documents: Tensor | None = None,
         context_parallel: CPRunner | None = None,
+        step: Any = None,
     ) -> AttnOut:
         """As the base class, except with a cache: the grouped cache keeps its own small buffers (compressed
         entries, the raw window, the queries not folded yet), so the base cache's raw ``max_len`` buffers are
-        freed on first use and never appended to; ``cache.length`` still counts every token."""
+        freed on first use and never appended to; ``cache.length`` still counts every token. ``step``
+        (``prepare_step``, a whole sequence from position 0): the fast path takes the shared state."""
+        if step is not None and cache is None and documents is None and context_parallel is None:
+            if self.impl != "reference":
+                return self._fast(q, q, k, v, positions, step)
         if cache is None or documents is not None:
             return super().forward(
                 q,
@@ -117,12 +141,17 @@ class GroupedKVCache(Attention):
             b, hq, _, d = q.shape
             c = self.cfg.chunk_size
             entries = self._needed_chunks(cache.max_len - 1) * self._entries_per_chunk()
+            # zero-filled: the static decode step (``decode_step``) reads whole buffers under a mask, and a NaN in
+            # a masked row would still meet its zero weight
             st = cache.extra["dga"] = {
-                "k": q.new_empty(b, hq, entries + 2 * c + 1, d),
-                "v": q.new_empty(b, hq, entries + 2 * c + 1, d),
-                "q": q.new_empty(b, hq, 2 * c + 1, d),
+                "k": q.new_zeros(b, hq, entries + 2 * c + 1, d),
+                "v": q.new_zeros(b, hq, entries + 2 * c + 1, d),
+                "q": q.new_zeros(b, hq, 2 * c + 1, d),
                 "n": 0,  # compressed entries
                 "folded": 0,  # chunks folded; raw keys and queries are held from position folded * C on
+                # the same counts on the device, for the static decode step: entries, rows filled (entries + raw
+                # keys held), chunks folded; the host keeps its own copies, so neither side reads the other's
+                "counts": torch.zeros(3, dtype=torch.long, device=q.device),
             }
         return st
 
@@ -135,6 +164,8 @@ class GroupedKVCache(Attention):
         base = folded * c  # first raw position held
         held = p0 - base
         need = self._needed_chunks(p0 + t - 1)
+        if t == 1 and gpu_paths_active(q):  # the GPU's decode: static shapes, device-side counts (a CUDA graph)
+            return self._decode_static(q, k, v, st, fold=need > folded)
         if t == 1 and need == folded:
             # decode between folds: every compressed entry is visible, the raw keys held are the query's window
             st["k"][:, :, n + held], st["v"][:, :, n + held], st["q"][:, :, held] = k[:, :, 0], v[:, :, 0], q[:, :, 0]
@@ -160,10 +191,26 @@ class GroupedKVCache(Attention):
         st["k"][:, :, n : n + kept], st["v"][:, :, n : n + kept] = rk[:, :, keep], rv[:, :, keep]
         st["q"][:, :, :kept] = rq[:, :, keep]
         st["n"], st["folded"] = n, folded
+        for i, count in enumerate((n, n + kept, folded)):  # fill_ passes the value with the kernel: no sync
+            st["counts"][i].fill_(count)
         if out is None:  # one query after its fold: every entry and the raw keys held, as between folds
             keys, values = st["k"][:, :, : n + kept], st["v"][:, :, : n + kept]
             out = sdpa_varying(q, keys, values, scale=self.scale)
         return out
+
+    def _decode_static(self, q: Tensor, k: Tensor, v: Tensor, st: dict, *, fold: bool) -> Tensor:
+        """One decoded token with static shapes: ``decode_step`` (or ``fold_step`` when the token's arrival folds a
+        chunk, which the host knows from its own counts) over the whole buffers, compiled once per shape on CUDA.
+        Equal to the host path token by token (tests/attention/dga/test_decode.py)."""
+        args = (q, k, v, st["k"], st["v"], st["q"], st["counts"])
+        if fold:
+            e = self._entries_per_chunk()
+            if st["n"] + e + self.cfg.chunk_size + 1 > st["k"].shape[2]:
+                raise ValueError("dga: the grouped cache is full (a fold past max_len)")
+            out = _compiled("fold", fold_step, q)(self, *args)
+            st["n"], st["folded"] = st["n"] + e, st["folded"] + 1
+            return out
+        return _compiled("decode", decode_step, q)(self, *args)
 
     def _cached_sequence(self, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, cache: KVCache) -> Tensor:
         """Sequence form: prefill compresses the prompt; decode folds a group every m' tokens (section 5.1).
@@ -223,3 +270,65 @@ class GroupedKVCache(Attention):
             return {"full_kv_slots": full, "dga_kv_slots": st["n"] + held, "dga_query_slots": held, "bytes": nbytes}
         slots = st["k"].shape[2] + st["raw_k"].shape[2]
         return {"full_kv_slots": full, "dga_kv_slots": slots, "dga_query_slots": 0, "bytes": nbytes}
+
+
+# ---- the static decode step (GPU: CUDA-graph capturable) -------------------------------------------------------
+# Buffers as ``_causal_state`` lays them out: k, v [B, H, N_max + 2C + 1, D] (entries [0, n), then the raw keys
+# held), q [B, H, 2C + 1, D]; counts = [n, rows filled, chunks folded] on the device. Every shape is fixed by the
+# buffers, every position is read from ``counts`` on the device and written in place, so a step has no host read
+# and one compiled graph serves every token. The attention reads the whole buffer under a mask (rows < filled):
+# static, at the cost of reading the empty rows too.
+
+
+def decode_step(
+    core: GroupedKVCache, q: Tensor, k: Tensor, v: Tensor, kb: Tensor, vb: Tensor, qb: Tensor, counts: Tensor
+) -> Tensor:
+    """A token between folds: its key, value and query written at the next rows, then one SDPA over every entry and
+    the raw keys held (every entry is visible to it). q, k, v [B, H, 1, D] at the query head count."""
+    filled = counts[1:2]
+    kb.index_copy_(2, filled, k)
+    vb.index_copy_(2, filled, v)
+    qb.index_copy_(2, filled - counts[0:1], q)
+    counts[1:2] += 1
+    visible = (torch.arange(kb.shape[2], device=kb.device) < counts[1])[None]  # [1, rows]: one query
+    return F.scaled_dot_product_attention(q, kb, vb, attn_mask=visible, scale=core.scale)
+
+
+def fold_step(
+    core: GroupedKVCache, q: Tensor, k: Tensor, v: Tensor, kb: Tensor, vb: Tensor, qb: Tensor, counts: Tensor
+) -> Tensor:
+    """A token whose arrival folds chunk ``folded`` (the host knows when: the token is at (folded + 2) C, and then
+    exactly 2C raw keys are held): that chunk is compressed from the 2C raw rows held, as the uncached forward
+    compresses it (same sampled queries: the seed of the chunk's index), its entries are written after the others
+    and the next chunk's raw rows moved behind them; then ``decode_step``."""
+    c, e = core.cfg.chunk_size, core._entries_per_chunk()
+    dev = kb.device
+    rows = counts[0] + torch.arange(2 * c, device=dev)
+    rk, rv, rq = kb.index_select(2, rows), vb.index_select(2, rows), qb[:, :, : 2 * c].clone()
+    seeds = core.cfg.seed * 1_000_003 + counts[2:3]
+    offsets = sample_offsets(2 * c, core.cfg.sample_recent, core.cfg.sample_random, seeds)
+    comp = core.compress(rq, rk, rv, torch.zeros(1, dtype=torch.long, device=dev), c, 2 * c, offsets)
+    ck = torch.cat([comp.focal_k, comp.agg_k], dim=3).flatten(2, 3)  # [B, H, E, D], as ``Compressed.entries``
+    cv = torch.cat([comp.focal_v, comp.agg_v], dim=3).flatten(2, 3)
+    kb.index_copy_(2, rows[:e], ck)
+    vb.index_copy_(2, rows[:e], cv)
+    kb.index_copy_(2, rows[e : e + c], rk[:, :, c:])
+    vb.index_copy_(2, rows[e : e + c], rv[:, :, c:])
+    qb[:, :, :c] = rq[:, :, c:]
+    counts[0:1] += e  # entries: n + E
+    counts[1:2] += e - c  # rows filled: n + E + C (the next chunk's raw keys)
+    counts[2:3] += 1  # chunks folded
+    return decode_step(core, q, k, v, kb, vb, qb, counts)
+
+
+_STEP_FNS: dict[str, Any] = {}
+
+
+def _compiled(name: str, fn: Any, q: Tensor) -> Any:
+    """``fn`` compiled on CUDA (static shapes: one graph per buffer size; ``mode="reduce-overhead"`` can capture it
+    in a CUDA graph), eager elsewhere."""
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return fn
+    if name not in _STEP_FNS:
+        _STEP_FNS[name] = torch.compile(fn, dynamic=False)
+    return _STEP_FNS[name]

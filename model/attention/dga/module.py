@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from model.attention.common import reference as ref
 from model.attention.common.base import AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
-from model.attention.common.flex import flex_supports
+from model.attention.common.flex import MAX_CACHED_BLOCK_MASKS, flex_supports
 from model.attention.dga import flex, naive
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
 from model.attention.dga.config import DGAConfig, focal_count
 from model.attention.dga.cpu import KERNEL_DTYPES, CausalPlan, Plan, SequencePlan, parts_attention
+from model.attention.dga.select import focal_order
 
 
 @dataclass(frozen=True)
@@ -32,6 +34,20 @@ class CPContext:
     entries: tuple[Tensor, Tensor] | None = None
     queries: Tensor | None = None
 
+
+@dataclass(frozen=True)
+class DGAStep:
+    """What every layer shares in a whole-sequence causal forward (``prepare_step``): the chunk starts and sampled
+    query offsets of chunks 0..needed-1 (``_causal_units``: they depend on the options and the length only) and, on
+    the FlexAttention path, its block masks."""
+
+    starts: Tensor
+    offsets: Tensor
+    masks: flex.CausalMasks | None
+
+
+# built once per (length, options, device) and kept: nothing in them depends on a layer or a batch
+_STEPS: dict[tuple[Any, ...], DGAStep] = {}
 
 IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
 
@@ -56,6 +72,46 @@ class DynamicGroupAttention(GroupedKVCache):
             ),
             SuiteCase("sequence", dict(selection="sequence", **small), causal=False),
         ]
+
+    @classmethod
+    def attention_ops(cls) -> tuple[Any, ...]:
+        """The fused kernels, and the focal selection (``dga::focal_order``): selective checkpointing keeps its
+        integer output, so the backward does not recompute the importance scores, their top-k and the ordering."""
+        return (*super().attention_ops(), torch.ops.dga.focal_order.default)
+
+    def saved_activation_bytes(
+        self, *, q_tokens: int, k_tokens: int, heads: int, kv_heads: int, dtype_bytes: int
+    ) -> int:
+        """A fused kernel's (q, k, v, output, logsumexp), plus what DGA keeps: the second FlexAttention call's output
+        and logsumexp (raw window and entries are two calls), the compressed entries' keys and values at the query
+        heads (E per chunk of C keys) and the saved focal selection (one int64 per key and query head)."""
+        base = super().saved_activation_bytes(
+            q_tokens=q_tokens, k_tokens=k_tokens, heads=heads, kv_heads=kv_heads, dtype_bytes=dtype_bytes
+        )
+        d, c = self.spec.head_dim, self.cfg.chunk_size
+        entries = k_tokens * self._entries_per_chunk() // c
+        return base + (q_tokens * d + 2 * entries * d) * heads * dtype_bytes + (4 * q_tokens + 8 * k_tokens) * heads
+
+    def prepare_step(self, seq_len: int, device: torch.device) -> DGAStep | None:
+        """The causal form's per-step state (``DGAStep``), built once per length, options and device and shared by
+        every layer and step; the sequence form has none."""
+        if self.cfg.selection != "causal":
+            return None
+        flex_path = flex_supports(torch.empty(0, self.spec.head_dim, device=device))
+        key = (seq_len, str(device), flex_path, *vars(self.cfg).values())
+        st = None if torch.compiler.is_compiling() else _STEPS.get(key)
+        if st is None:
+            starts, offsets = self._causal_units(0, self._needed_chunks(seq_len - 1), device)
+            masks = None
+            if flex_path:
+                n = starts.shape[0] * self._entries_per_chunk()
+                masks = flex.causal_masks(seq_len, n, self.cfg.chunk_size, self._entries_per_chunk(), device)
+            st = DGAStep(starts, offsets, masks)
+            if not torch.compiler.is_compiling():
+                if len(_STEPS) >= MAX_CACHED_BLOCK_MASKS:
+                    _STEPS.pop(next(iter(_STEPS)))
+                _STEPS[key] = st
+        return st
 
     # ---- compression (shared by every path) ------------------------------------------
     def compress(
@@ -95,28 +151,23 @@ class DynamicGroupAttention(GroupedKVCache):
             blocks = [0] if torch.compiler.is_compiling() else range(0, max(u, 1), step)  # u = 0: one empty block
             if torch.compiler.is_compiling():
                 step = u
-            importance = torch.cat(
-                [
-                    self._importance(
-                        q,
-                        k,
-                        starts[i : i + step],
-                        offsets if offsets.shape[0] == 1 else offsets[i : i + step],
-                        window,
-                        n,
-                        q_base,
-                        k_base,
-                        dt,
-                    )
-                    for i in blocks
-                ],
-                dim=2,
-            )  # [B, H, U, n]
-            focal = torch.zeros_like(importance, dtype=torch.bool).scatter_(
-                -1, importance.topk(r, dim=-1).indices, True
-            )
-            # stable sort on the flag: non-focal first, each part in position order
-            order = torch.argsort(focal.to(torch.int8), dim=-1, stable=True) + starts[:, None]
+            parts = [
+                self._importance(
+                    q,
+                    k,
+                    starts[i : i + step],
+                    offsets if offsets.shape[0] == 1 else offsets[i : i + step],
+                    window,
+                    n,
+                    q_base,
+                    k_base,
+                    dt,
+                )
+                for i in blocks
+            ]
+            importance = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)  # [B, H, U, n]
+            # non-focal first, each part in position order; one operator, whose output selective checkpointing keeps
+            order = focal_order(importance, r) + starts[:, None]
         focal_pos = order[..., n - r :]
         members = order[..., : n - r].reshape(b, h, u, g, m)
         km, vm = ref.take_rows(k, members - k_base), ref.take_rows(v, members - k_base)  # [B, H, U, g, m, D]
@@ -169,11 +220,20 @@ class DynamicGroupAttention(GroupedKVCache):
         return units * c, sample_offsets(2 * c, self.cfg.sample_recent, self.cfg.sample_random, seeds)
 
     def _compress_causal(
-        self, q: Tensor, k: Tensor, v: Tensor, first: int, last: int, q_base: int = 0, k_base: int = 0
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        first: int,
+        last: int,
+        q_base: int = 0,
+        k_base: int = 0,
+        units: tuple[Tensor, Tensor] | None = None,
     ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
-        """Compressed entries (k, v, avail) of chunks first..last-1: visible from position (c+2) C."""
+        """Compressed entries (k, v, avail) of chunks first..last-1: visible from position (c+2) C. ``units``: their
+        ``_causal_units`` when already built (``prepare_step``)."""
         c = self.cfg.chunk_size
-        starts, offsets = self._causal_units(first, last, k.device)
+        starts, offsets = units if units is not None else self._causal_units(first, last, k.device)
         comp = self.compress(q, k, v, starts, c, 2 * c, offsets, q_base=q_base, k_base=k_base)
         avail = (starts + 2 * c)[:, None]  # [U, 1]
         return comp, comp.entries(avail, avail)
@@ -211,10 +271,11 @@ class DynamicGroupAttention(GroupedKVCache):
         return AttnOut(out, stats=stats)
 
     def _compress_uncached(
-        self, q: Tensor, k: Tensor, v: Tensor, last_query_pos: int
+        self, q: Tensor, k: Tensor, v: Tensor, last_query_pos: int, step: DGAStep | None = None
     ) -> tuple[Compressed, tuple[Tensor, Tensor, Tensor]]:
         if self.cfg.selection == "causal":
-            return self._compress_causal(q, k, v, 0, self._needed_chunks(last_query_pos))
+            units = None if step is None else (step.starts, step.offsets)
+            return self._compress_causal(q, k, v, 0, self._needed_chunks(last_query_pos), units=units)
         return self._compress_sequence(q, k, v)
 
     # ---- context parallelism ------------------------------------------------------------
@@ -318,13 +379,16 @@ class DynamicGroupAttention(GroupedKVCache):
     ) -> AttnOut:
         return self._fast(q, q, k, v, q_pos)
 
-    def _fast(self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor) -> AttnOut:
-        """``fast`` with the queries compression reads (``q_keys``, at the key positions) passed apart."""
+    def _fast(
+        self, q: Tensor, q_keys: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, step: DGAStep | None = None
+    ) -> AttnOut:
+        """``fast`` with the queries compression reads (``q_keys``, at the key positions) passed apart. ``step``:
+        ``prepare_step``'s state, for a whole sequence from position 0 only."""
         hq = q.shape[1]
         k, v = ref.expand_kv(k, hq), ref.expand_kv(v, hq)
         # no cache: key row p holds position p and the last query is the last key (under CP too), so the last query
         # position comes from a shape, not a host read of q_pos (a graph break in the compiled GPU forward)
-        comp, (ck, cv, avail) = self._compress_uncached(q_keys, k, v, k.shape[2] - 1)
+        comp, (ck, cv, avail) = self._compress_uncached(q_keys, k, v, k.shape[2] - 1, step)
         if flex_supports(q):
             out = flex.attention(
                 q,
@@ -340,6 +404,7 @@ class DynamicGroupAttention(GroupedKVCache):
                 chunk_size=self.cfg.chunk_size,
                 entries_per_chunk=self._entries_per_chunk(),
                 scale=self.scale,
+                masks=None if step is None else step.masks,
             )
             return AttnOut(out, stats=self._stats(None, q_pos) if self.collect_stats else {})
         if self.impl != "gathered" and self._parts_apply(q, q_pos):

@@ -45,8 +45,8 @@ def test_causal_grouped_cache_decode_equals_the_uncached_forward_and_is_smaller(
     # are held from its window (chunk 6, position 48) on
     entries, held = 6 * 5, 60 - 48
     # preallocated once from max_len: every entry the cache can reach, plus 2C + 1 raw keys and queries
-    # (batch 2, 4 query heads, head dim 8, float64)
-    nbytes = (2 * (entries + 2 * 8 + 1) + (2 * 8 + 1)) * 2 * 4 * 8 * 8
+    # (batch 2, 4 query heads, head dim 8, float64), and the static decode step's three int64 counts
+    nbytes = (2 * (entries + 2 * 8 + 1) + (2 * 8 + 1)) * 2 * 4 * 8 * 8 + 3 * 8
     assert size == {"full_kv_slots": 60, "dga_kv_slots": entries + held, "dga_query_slots": held, "bytes": nbytes}
     assert kv_cache_nbytes(cache) == nbytes
 
