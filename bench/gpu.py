@@ -24,6 +24,10 @@ Order: the work is a list of items run in turn until ``--budget`` seconds are sp
 6. ``focus hard forward llama-1.3b``, ``decode llama-1.3b``: items 4 and 5 at llama-1.3b's attention shape
    (16 heads x 128, a batch of 32K tokens: 2 x 16384, 1 x 65536).
 7. ``tests shared suite``: the shared suite ``tests/attention/test_suite.py`` on the device (CI runs it on CPU).
+7b. ``train llama-2.7b full`` and ``train llama-2.7b full float8 rowwise`` / ``... tensorwise`` (``train.float8``):
+   the bf16 arm and the two float8 arms at T = 4096, each planned for the device with its own recipe (the planner
+   counts float8's working memory); a float8 arm's MFU is on the bf16 FLOPs and peak, and it reports its tokens/s /
+   the bf16 arm's (``float8_speedup``; the quick run: one rowwise arm of the tiny model).
 8. ``train llama-124m <variant>``: full attention and every trainable variant.
 9. ``attention T=...`` and ``attention T=... llama-1.3b``: every variant at 4K, 16K and 64K (forward,
    forward+backward, peak memory) at each shape, then ``attention decode`` (and ``... llama-1.3b``): every
@@ -75,6 +79,7 @@ FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
 FOCUS_HARD_MAIN = FOCUS_HARD[1]
 DGA_CAUSAL = "dga causal (C=128, m=16, gamma=0.1)"
 BIG_SHAPE = "llama-1.3b"  # the second attention shape: this preset's heads x head dimension
+FLOAT8_PRESET = "llama-2.7b"  # the float8 arms' model (issue 49's goal: rowwise >= 1.2x, tensorwise >= 1.25x bf16)
 
 
 @dataclass
@@ -155,10 +160,10 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 
 
 # ---- items -----------------------------------------------------------------------------------------------------------
-def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Run:
+def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool, float8: str = "none") -> Run:
     def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
         # the planner's checkpointing and micro-batch for this device (bench.train_step.arm_plan)
-        cfg, chosen = train_step.arm_plan(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
+        cfg, chosen = train_step.arm_plan(preset, kind, seq_len=plan.seq_len, device=device, quick=quick, float8=float8)
         row = train_step.measure_arm(
             cfg,
             plan=chosen,
@@ -324,6 +329,16 @@ def build_items(device: str, plan: Plan, quick: bool, out: Path) -> list[Item]:
     ]
     if plan.shared_tests:
         items.append(Item("tests shared suite", PytestRun(plan.shared_tests, out, "tests-shared"), 240, min_s=30))
+    # float8 beside bf16 (issue 49): the quick run's one rowwise arm runs the same code on the tiny model
+    float8s = ("rowwise",) if quick else ("none", "rowwise", "tensorwise")
+    items += [
+        Item(
+            f"train {FLOAT8_PRESET} full" + (f" float8 {recipe}" if recipe != "none" else ""),
+            train_item(FLOAT8_PRESET, "full", device, plan, quick, recipe),
+            180,
+        )
+        for recipe in float8s
+    ]
     small = ["full"] if quick else variants  # quick: its variants' arms are the 1.3b arms' code again
     items += [
         Item(f"train llama-124m {kind}", train_item("llama-124m", kind, device, plan, quick), 120) for kind in small
