@@ -1,6 +1,7 @@
 """``train.float8`` through the trainer on CPU (gloo): a 2-process FSDP2 run (tensorwise: the float8 all-gather, its
 scales precomputed after each optimizer step) and a ``tp=2`` run (rowwise) train and resume exactly from their own
-step-3 checkpoints (a real restart on a copy of the run directory up to that checkpoint), ``ddp`` trains in float8;
+step-3 checkpoints (a real restart on a copy of the run directory up to that checkpoint), and so does a ``cp=2`` run
+(tensorwise: float8 all-gather over the CP ranks' shards); ``ddp`` trains in float8;
 one process: a high-precision checkpoint resumes into float8 and a float8 one back, the change reported in one line;
 and the FSDP2 float8 run's export loads in transformers with the logits of its weights in the project's own model.
 
@@ -25,6 +26,7 @@ _launches: dict[int, dict[str, str]] = {}
 DISTRIBUTED = {  # name -> overrides (2 processes)
     "fsdp2": {"train.engine": "fsdp2", "train.float8": "tensorwise"},
     "tp2": {"train.engine": "fsdp2", "train.parallel.tp": 2, "train.float8": "rowwise"},
+    "cp2": {"train.engine": "fsdp2", "train.parallel.cp": 2, "train.float8": "tensorwise"},
     "ddp": {"train.engine": "ddp", "train.float8": "tensorwise"},
 }
 # name -> (overrides, the run whose step-AT checkpoint it resumes, or None) (1 process)
@@ -70,7 +72,7 @@ def precision(root, cache_dir) -> dict[str, Path]:
     return {name: root / name for name in runs}
 
 
-@pytest.mark.parametrize("name", ["fsdp2", "tp2"])
+@pytest.mark.parametrize("name", ["fsdp2", "tp2", "cp2"])
 def test_float8_runs_resume_exactly_from_their_own_checkpoints(distributed, name):
     full, resumed = train_rows(distributed[name]), train_rows(distributed[f"{name}_resumed"])
     assert sorted(full) == sorted(resumed) == list(range(1, STEPS + 1))
