@@ -209,6 +209,29 @@ def plain_state(state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {key: plain(value) for key, value in state.items()}
 
 
+def plain_tree(state: Any) -> Any:
+    """``state`` (a model or optimizer state dict for DCP, nested dicts and lists) with every float8 weight wrapper
+    unwrapped, a DTensor's local one included, so the checkpoint's shards hold ordinary tensors that any run (float8
+    or not) and the restricted unpickler read. Loading needs no counterpart: DCP copies into the wrapper in place."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(state, dict):
+        return {key: plain_tree(value) for key, value in state.items()}
+    if isinstance(state, list):
+        return [plain_tree(value) for value in state]
+    if isinstance(state, DTensor):
+        local = state._local_tensor
+        inner = plain(local)
+        if inner is local:
+            return state
+        return DTensor.from_local(
+            inner, state.device_mesh, state.placements, run_check=False, shape=state.shape, stride=state.stride()
+        )
+    if isinstance(state, Tensor):
+        return plain(state)
+    return state
+
+
 def tp_styles(module: nn.Module, kind: str) -> Any:
     """torchao's float8 parallel style class for ``kind`` ("colwise" / "rowwise") of a tensorwise float8 linear, or
     None (the plain style applies)."""

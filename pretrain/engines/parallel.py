@@ -28,7 +28,7 @@ from core.device import resolve_device
 from core.errors import ConfigError
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
-from pretrain.engines.float8 import plain_state, precompute_scales, uses_float8_all_gather
+from pretrain.engines.float8 import plain_state, plain_tree, precompute_scales, uses_float8_all_gather
 from pretrain.engines.parallelize import apply_ddp, parallelize
 from run.parallel import ParallelLayout
 
@@ -181,6 +181,8 @@ class DataParallelEngine(Engine):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
 
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
+        if self.cfg.float8 != "none":  # ordinary tensors in the shards, not torchao's float8 all-gather wrapper
+            model_sd, optim_sd = plain_tree(model_sd), plain_tree(optim_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
         full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:

@@ -29,7 +29,13 @@ DISTRIBUTED = {  # name -> overrides (2 processes)
     "cp2": {"train.engine": "fsdp2", "train.parallel.cp": 2, "train.float8": "tensorwise"},
     "ddp": {"train.engine": "ddp", "train.float8": "tensorwise"},
 }
-# name -> (overrides, the run whose step-AT checkpoint it resumes, or None) (1 process)
+# name -> (overrides, the run whose step-AT checkpoint it resumes, or None): FSDP2's DCP shards across float8 and
+# back (2 processes, after DISTRIBUTED's runs), and the single engine's files (1 process)
+FSDP2_PRECISION = {
+    "fsdp2_to_high": ({"train.engine": "fsdp2"}, "fsdp2"),
+    "fsdp2_high": ({"train.engine": "fsdp2"}, None),
+    "fsdp2_high_to_float8": ({"train.engine": "fsdp2", "train.float8": "tensorwise"}, "fsdp2_high"),
+}
 PRECISION = {
     "high": ({}, None),
     "high_to_float8": ({"train.float8": "tensorwise"}, "high"),
@@ -56,6 +62,9 @@ def distributed(root, cache_dir) -> dict[str, Path]:
             runs[f"{name}_resumed"] = ["--copy-run", str(_checkpoint(root / name))] + _args(
                 root / f"{name}_resumed", cache_dir, extra
             )
+    for name, (extra, source) in FSDP2_PRECISION.items():
+        copy = ["--copy-run", str(_checkpoint(root / source))] if source else []
+        runs[name] = copy + _args(root / name, cache_dir, extra)
     status = run_sequence(2, runs, root / "two.status.json")
     assert all(s == "ok" for s in status.values()), status
     return {name: root / name for name in runs}
@@ -105,22 +114,31 @@ def test_checkpoints_hold_plain_weights_under_the_usual_names(distributed):
 
 
 @pytest.mark.parametrize(
-    "name, source, line",
+    "launch, name, source, line",
     [
-        ("high_to_float8", "high", "train.float8: 'none' -> 'tensorwise' (this launch's setting)"),
-        ("float8_to_high", "float8", "train.float8: 'rowwise' -> 'none' (this launch's setting)"),
+        ("precision", "high_to_float8", "high", "train.float8: 'none' -> 'tensorwise' (this launch's setting)"),
+        ("precision", "float8_to_high", "float8", "train.float8: 'rowwise' -> 'none' (this launch's setting)"),
+        ("distributed", "fsdp2_to_high", "fsdp2", "train.float8: 'tensorwise' -> 'none' (this launch's setting)"),
+        (
+            "distributed",
+            "fsdp2_high_to_float8",
+            "fsdp2_high",
+            "train.float8: 'none' -> 'tensorwise' (this launch's setting)",
+        ),
     ],
 )
-def test_a_checkpoint_resumes_across_float8_and_reports_it_in_one_line(precision, name, source, line):
-    """The weights and optimizer state are the same tensors either way; the first resumed step's loss is the source
-    run's step-4 loss up to float8's rounding of one forward."""
-    resumed, before = train_rows(precision[name]), train_rows(precision[source])
+def test_a_checkpoint_resumes_across_float8_and_reports_it_in_one_line(request, launch, name, source, line):
+    """The weights and optimizer state are the same tensors either way (FSDP2's DCP shards hold plain tensors, not
+    torchao's float8 all-gather wrapper); the first resumed step's loss is the source run's step-4 loss up to
+    float8's rounding of one forward."""
+    runs = request.getfixturevalue(launch)
+    resumed, before = train_rows(runs[name]), train_rows(runs[source])
     assert sorted(resumed) == list(range(1, STEPS + 1))
     for step in range(1, AT + 1):  # the steps before the checkpoint are the source run's own lines
         assert resumed[step]["loss"] == before[step]["loss"]
     assert resumed[AT + 1]["loss"] == pytest.approx(before[AT + 1]["loss"], rel=0.01)
     assert resumed[AT + 1]["loss"] != before[AT + 1]["loss"]  # float8 on one side only: not the same arithmetic
-    history = [h for h in (precision[name] / "config.toml").read_text().splitlines() if h.startswith(HISTORY_PREFIX)]
+    history = [h for h in (runs[name] / "config.toml").read_text().splitlines() if h.startswith(HISTORY_PREFIX)]
     # run.dir's change (a copy of the source run) is the other line
     assert [h for h in history if ": train." in h] == [f"{HISTORY_PREFIX}{AT}: {line}"], history
 
