@@ -273,3 +273,17 @@ def test_compile_per_block_trains_converted_blocks_like_eager():
             losses[compiled].append(float(out.loss_sum))
     assert names[True] == names[False]
     assert losses[True] == pytest.approx(losses[False], rel=1e-5)
+
+
+def test_emulation_computes_the_same_float8_values():
+    """``train.float8_emulate`` (a GPU below compute capability 8.9): the same float8-rounded operands, multiplied in
+    high precision instead of by ``_scaled_mm``: the same loss to float32 rounding."""
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    for recipe in RECIPES:
+        losses = []
+        for emulate in (False, True):
+            model = _model(d_model=32, n_heads=2, n_layers=1)
+            _convert(model, recipe, float8_emulate=emulate)
+            assert all(m.config.emulate == emulate for m in model.modules() if f8.is_float8_linear(m))
+            losses.append(_loss_and_grads(model, batch)[0])
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=0, msg=recipe)
