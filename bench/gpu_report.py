@@ -27,6 +27,7 @@ HEADLINE_PRESET = "llama-1.3b"
 MFU_GOAL = 0.40  # llama-1.3b full attention on an H100
 STEP_RATIO_GOAL = 1.3  # trainable variants' step time / full's
 FLOAT8_GOALS = {"rowwise": 1.2, "tensorwise": 1.25}  # float8 tokens/s / bf16's (issue 49, llama-2.7b at T = 4096)
+FLOAT8_LOSS_GOAL = 0.01  # a float8 arm's loss after its steps / bf16's, less 1 (issue 49: 50 steps)
 FOCUS_HARD_GOALS = {16384: 1.0, 65536: 0.5}  # Focus hard k=1 forward / full's; quick runs report their own lengths
 
 
@@ -98,6 +99,30 @@ def shape_text(row: dict[str, Any], dtype: str) -> str:
     return f"{attn.row_shape(row).text()}, {dtype}"
 
 
+def float8_loss_headline(row: dict[str, Any], train: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A float8 arm's final loss against the bf16 arm's after the same number of steps (issue 49: within 1%); None
+    when there is no bf16 arm of as many steps."""
+    total = row["warmup"] + row["steps"]
+    bf16 = next(
+        (
+            r
+            for r in train
+            if (r["preset"], r["kind"], r.get("float8", "none")) == (row["preset"], row["kind"], "none")
+            and r["warmup"] + r["steps"] == total
+        ),
+        None,
+    )
+    if bf16 is None:
+        return None
+    off = row["loss"] / bf16["loss"] - 1
+    return {
+        "what": f"{row['preset']} {row['kind']} float8 {row['float8']} loss / bf16's after {total} steps",
+        "value": f"{off:+.2%} ({row['loss']:.4f} vs {bf16['loss']:.4f})",
+        "goal": f"within {FLOAT8_LOSS_GOAL:.0%}",
+        "met": abs(off) <= FLOAT8_LOSS_GOAL,
+    }
+
+
 def float8_headline(row: dict[str, Any], train: list[dict[str, Any]]) -> dict[str, Any]:
     """A float8 arm's headline row: its tokens/s / the bf16 arm's of the same preset and variant, against issue 49's
     goal (rowwise >= 1.2x, tensorwise >= 1.25x)."""
@@ -136,6 +161,9 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
         for r in train:
             if r["preset"] == preset and r.get("float8", "none") != "none":
                 rows.append(float8_headline(r, train))
+                loss = float8_loss_headline(r, train)
+                if loss is not None:
+                    rows.append(loss)
             if r["preset"] == preset and r["kind"] != "full" and r.get("float8", "none") == "none":
                 ratio = train_step.time_ratio(r, full)
                 rows.append(

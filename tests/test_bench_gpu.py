@@ -521,8 +521,9 @@ def test_the_suite_runs_float8_arms_and_the_headline_holds_them_to_the_goals(tmp
     ]
     quick = [i.name for i in gpu.build_items("cpu", gpu.QUICK_PLAN, True, tmp_path)]
     assert [n for n in quick if "float8" in n] == ["train llama-2.7b full float8 rowwise"]
+    assert gpu.GPU_PLAN.float8_steps == 50  # the issue's loss comparison: after 50 steps
 
-    def row(recipe: str, tps: float) -> dict:
+    def row(recipe: str, tps: float, loss: float) -> dict:
         plan = {"planned": False}
         return dict(
             preset="llama-2.7b",
@@ -536,13 +537,16 @@ def test_the_suite_runs_float8_arms_and_the_headline_holds_them_to_the_goals(tmp
             plan=plan,
             mfu=0.4,
             peak_flops=989e12,
+            warmup=3,
+            steps=47,
+            loss=loss,
         )
 
     report = _report(tmp_path)
     for name, r in (
-        ("train llama-2.7b full", row("none", 10_000)),
-        ("train llama-2.7b full float8 rowwise", row("rowwise", 12_500)),
-        ("train llama-2.7b full float8 tensorwise", row("tensorwise", 12_000)),
+        ("train llama-2.7b full", row("none", 10_000, 2.0)),
+        ("train llama-2.7b full float8 rowwise", row("rowwise", 12_500, 2.01)),
+        ("train llama-2.7b full float8 tensorwise", row("tensorwise", 12_000, 2.03)),
     ):
         report["items"].append({"name": name, "status": "ok", "result": r})
     lines = {h["what"].split(" (T=")[0]: h for h in gpu_report.headline(report)}
@@ -557,3 +561,11 @@ def test_the_suite_runs_float8_arms_and_the_headline_holds_them_to_the_goals(tmp
     )
     assert (tensorwise["value"], tensorwise["met"]) == ("1.20x (12,000 tok/s)", False)
     assert "llama-2.7b full attention MFU" in lines  # the bf16 arm stays the preset's full-attention row
+    loss = {h["what"]: h for h in gpu_report.headline(report) if "loss" in h["what"]}
+    rowwise_loss = loss["llama-2.7b full float8 rowwise loss / bf16's after 50 steps"]
+    assert (rowwise_loss["value"], rowwise_loss["goal"], rowwise_loss["met"]) == (
+        "+0.50% (2.0100 vs 2.0000)",
+        "within 1%",
+        True,
+    )
+    assert not loss["llama-2.7b full float8 tensorwise loss / bf16's after 50 steps"]["met"]  # +1.5%
