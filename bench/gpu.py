@@ -24,6 +24,11 @@ Order: the work is a list of items run in turn until ``--budget`` seconds are sp
 6. ``focus hard forward llama-1.3b``, ``decode llama-1.3b``: items 4 and 5 at llama-1.3b's attention shape
    (16 heads x 128, a batch of 32K tokens: 2 x 16384, 1 x 65536).
 7. ``tests shared suite``: the shared suite ``tests/attention/test_suite.py`` on the device (CI runs it on CPU).
+7b. ``train llama-2.7b full`` and ``train llama-2.7b full float8 rowwise`` / ``... tensorwise`` (``train.float8``):
+   the bf16 arm and the two float8 arms at T = 4096, each planned for the device with its own recipe (the planner
+   counts float8's working memory); a float8 arm's MFU is on the bf16 FLOPs and peak, and it reports its tokens/s /
+   the bf16 arm's (``float8_speedup``; the quick run: one rowwise arm of the tiny model). These three run 50 steps
+   in all (one fixed random batch, as every arm) and the headline compares the float8 arms' final losses with bf16's.
 8. ``train llama-124m <variant>``: full attention and every trainable variant.
 9. ``attention T=...`` and ``attention T=... llama-1.3b``: every variant at 4K, 16K and 64K (forward,
    forward+backward, peak memory) at each shape, then ``attention decode`` (and ``... llama-1.3b``): every
@@ -75,6 +80,7 @@ FOCUS_HARD = ("focus hard k=1 (K=4, w=128)", "focus hard k=1 (K=8, w=128)")
 FOCUS_HARD_MAIN = FOCUS_HARD[1]
 DGA_CAUSAL = "dga causal (C=128, m=16, gamma=0.1)"
 BIG_SHAPE = "llama-1.3b"  # the second attention shape: this preset's heads x head dimension
+FLOAT8_PRESET = "llama-2.7b"  # the float8 arms' model (issue 49's goal: rowwise >= 1.2x, tensorwise >= 1.25x bf16)
 
 
 @dataclass
@@ -95,6 +101,9 @@ class Plan:
     tests: list[str] = field(default_factory=list)  # the "tests" item: the CUDA test file
     shared_tests: list[str] = field(default_factory=list)  # the "tests shared suite" item (none: no item)
     train_timed_s: float = 0.0  # a training arm's timed steps stop past this many seconds, after 3 (0: no limit)
+    # the float8 items' steps in all (warm-up included, no time limit): their losses after this many steps compare
+    # with the bf16 arm's (issue 49: within 1% after 50); 0: the other arms' steps
+    float8_steps: int = 0
     profile_steps: int = 2  # training steps profiled per arm (0: no profiles)
     profile_top: int = profiling.TOP  # kernels (CPU: operators) listed per profile
 
@@ -114,6 +123,7 @@ GPU_PLAN = Plan(
     tests=["tests/attention/test_gpu_suite.py"],
     shared_tests=["tests/attention/test_suite.py"],
     train_timed_s=30.0,
+    float8_steps=50,
 )
 QUICK_PLAN = Plan(
     seq_len=train_step.QUICK_SEQ_LEN,
@@ -155,17 +165,22 @@ def _alarm(signum: int, frame: FrameType | None) -> None:
 
 
 # ---- items -----------------------------------------------------------------------------------------------------------
-def train_item(preset: str, kind: str, device: str, plan: Plan, quick: bool) -> Run:
+def train_item(
+    preset: str, kind: str, device: str, plan: Plan, quick: bool, float8: str = "none", steps: int = 0
+) -> Run:
+    """``steps`` > 0: that many steps in all, warm-up included, with no time limit on the timed ones (the float8
+    items, whose final losses are compared)."""
+
     def run(deadline: float, sofar: dict[str, Any]) -> dict[str, Any]:
         # the planner's checkpointing and micro-batch for this device (bench.train_step.arm_plan)
-        cfg, chosen = train_step.arm_plan(preset, kind, seq_len=plan.seq_len, device=device, quick=quick)
+        cfg, chosen = train_step.arm_plan(preset, kind, seq_len=plan.seq_len, device=device, quick=quick, float8=float8)
         row = train_step.measure_arm(
             cfg,
             plan=chosen,
-            steps=plan.train_steps,
+            steps=steps - plan.train_warmup if steps else plan.train_steps,
             warmup=plan.train_warmup,
             deadline=deadline,
-            max_timed_s=plan.train_timed_s,
+            max_timed_s=0.0 if steps else plan.train_timed_s,
             profile_steps=plan.profile_steps,
             profile_top=plan.profile_top,
             measured=lambda r: sofar.update(preset=preset, **r),  # kept if the profile is cut off
@@ -324,6 +339,16 @@ def build_items(device: str, plan: Plan, quick: bool, out: Path) -> list[Item]:
     ]
     if plan.shared_tests:
         items.append(Item("tests shared suite", PytestRun(plan.shared_tests, out, "tests-shared"), 240, min_s=30))
+    # float8 beside bf16 (issue 49): the quick run's one rowwise arm runs the same code on the tiny model
+    float8s = ("rowwise",) if quick else ("none", "rowwise", "tensorwise")
+    items += [
+        Item(
+            f"train {FLOAT8_PRESET} full" + (f" float8 {recipe}" if recipe != "none" else ""),
+            train_item(FLOAT8_PRESET, "full", device, plan, quick, recipe, plan.float8_steps),
+            240,
+        )
+        for recipe in float8s
+    ]
     small = ["full"] if quick else variants  # quick: its variants' arms are the 1.3b arms' code again
     items += [
         Item(f"train llama-124m {kind}", train_item("llama-124m", kind, device, plan, quick), 120) for kind in small

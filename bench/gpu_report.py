@@ -26,6 +26,8 @@ MD_TOP = 5  # kernels per profile in the Markdown page (the JSON keeps the plan'
 HEADLINE_PRESET = "llama-1.3b"
 MFU_GOAL = 0.40  # llama-1.3b full attention on an H100
 STEP_RATIO_GOAL = 1.3  # trainable variants' step time / full's
+FLOAT8_GOALS = {"rowwise": 1.2, "tensorwise": 1.25}  # float8 tokens/s / bf16's (issue 49, llama-2.7b at T = 4096)
+FLOAT8_LOSS_GOAL = 0.01  # a float8 arm's loss after its steps / bf16's, less 1 (issue 49: 50 steps)
 FOCUS_HARD_GOALS = {16384: 1.0, 65536: 0.5}  # Focus hard k=1 forward / full's; quick runs report their own lengths
 
 
@@ -97,12 +99,52 @@ def shape_text(row: dict[str, Any], dtype: str) -> str:
     return f"{attn.row_shape(row).text()}, {dtype}"
 
 
+def float8_loss_headline(row: dict[str, Any], train: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A float8 arm's final loss against the bf16 arm's after the same number of steps (issue 49: within 1%); None
+    when there is no bf16 arm of as many steps."""
+    total = row["warmup"] + row["steps"]
+    bf16 = next(
+        (
+            r
+            for r in train
+            if (r["preset"], r["kind"], r.get("float8", "none")) == (row["preset"], row["kind"], "none")
+            and r["warmup"] + r["steps"] == total
+        ),
+        None,
+    )
+    if bf16 is None:
+        return None
+    off = row["loss"] / bf16["loss"] - 1
+    return {
+        "what": f"{row['preset']} {row['kind']} float8 {row['float8']} loss / bf16's after {total} steps",
+        "value": f"{off:+.2%} ({row['loss']:.4f} vs {bf16['loss']:.4f})",
+        "goal": f"within {FLOAT8_LOSS_GOAL:.0%}",
+        "met": abs(off) <= FLOAT8_LOSS_GOAL,
+    }
+
+
+def float8_headline(row: dict[str, Any], train: list[dict[str, Any]]) -> dict[str, Any]:
+    """A float8 arm's headline row: its tokens/s / the bf16 arm's of the same preset and variant, against issue 49's
+    goal (rowwise >= 1.2x, tensorwise >= 1.25x)."""
+    speedup = train_step.float8_speedup(row, train)
+    goal = FLOAT8_GOALS.get(row["float8"])
+    return {
+        "what": f"{row['preset']} {row['kind']} float8 {row['float8']} tokens/s / bf16's (T={row['seq_len']}, "
+        f"{train_step.plan_text(row)})",
+        "value": (f"{speedup:.2f}x" if speedup is not None else "- (no bf16 arm)")
+        + f" ({row['tokens_per_s']:,.0f} tok/s)",
+        "goal": f">= {goal}x on an H100 / H200" if goal else "",
+        "met": (speedup >= goal) if goal and speedup is not None else None,
+    }
+
+
 def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
     """The figures the suite exists for, one row each: what, value, goal (text), met (bool or None)."""
     rows: list[dict[str, Any]] = []
     train = _train(report)
     for preset in dict.fromkeys(r["preset"] for r in train):
-        full = next((r for r in train if r["preset"] == preset and r["kind"] == "full"), None)
+        bf16 = [r for r in train if r.get("float8", "none") == "none"]
+        full = next((r for r in bf16 if r["preset"] == preset and r["kind"] == "full"), None)
         if full is None:
             continue
         goal = MFU_GOAL if preset == HEADLINE_PRESET else None
@@ -117,7 +159,12 @@ def headline(report: dict[str, Any]) -> list[dict[str, Any]]:
             }
         )
         for r in train:
-            if r["preset"] == preset and r["kind"] != "full":
+            if r["preset"] == preset and r.get("float8", "none") != "none":
+                rows.append(float8_headline(r, train))
+                loss = float8_loss_headline(r, train)
+                if loss is not None:
+                    rows.append(loss)
+            if r["preset"] == preset and r["kind"] != "full" and r.get("float8", "none") == "none":
                 ratio = train_step.time_ratio(r, full)
                 rows.append(
                     {
@@ -216,8 +263,11 @@ def markdown(report: dict[str, Any]) -> str:
     if train:
         rows = [dict(r) for r in train]
         for r in rows:
-            full = next((f for f in rows if f["preset"] == r["preset"] and f["kind"] == "full"), None)
+            recipe = r.get("float8", "none")
+            same = [f for f in rows if f["preset"] == r["preset"] and f.get("float8", "none") == recipe]
+            full = next((f for f in same if f["kind"] == "full"), None)
             r["step_ratio"] = train_step.time_ratio(r, full) if full else None
+            r["float8_speedup"] = train_step.float8_speedup(r, rows)
         lines += [
             "",
             "## Training step (`bench.train_step`)",

@@ -24,6 +24,10 @@ the MFU column compares speed: a variant's MFU / full's is full's step time / th
 The arms' micro-batches can differ, so a variant's ratio to full attention is of time per token (full's tokens/s /
 the variant's), which is the ratio of step times when the micro-batches agree.
 
+``--float8 none,rowwise,tensorwise``: each arm once per ``train.float8`` recipe (``none``: the bf16 arm), planned
+alike (the planner counts float8's working memory); a float8 row's MFU is counted on the same bf16 FLOPs per token
+against the bf16 peak, and its ``float8_speedup`` is its tokens/s / the same arm's bf16 tokens/s.
+
 ``--quick``: the same code on a tiny model (2 layers of 64, planned for a nominal 1 GiB device, micro-batch at most 2)
 at T = 128 for 2 steps after 1 warm-up, without compile: a smoke run for CI.
 """
@@ -55,7 +59,7 @@ from pretrain.engines import Engine, build_engine
 from pretrain.freezing import apply_trainable
 from pretrain.layout_plan import RESERVE, single_device_plan
 from pretrain.metrics import memory_gib, peak_flops, peak_flops_for_name
-from run.config import RunConfig, load_run_config
+from run.config import FLOAT8_RECIPES, RunConfig, load_run_config
 from run.sizes import GIB, host_memory
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "launch" / "configs"
@@ -89,7 +93,9 @@ def device_memory(device: str) -> int:
     return host
 
 
-def _arm_run_config(path: Path, *, seq_len: int, device: str, quick: bool, micro: int, ac: str = "") -> RunConfig:
+def _arm_run_config(
+    path: Path, *, seq_len: int, device: str, quick: bool, micro: int, ac: str = "", float8: str = "none"
+) -> RunConfig:
     overrides = [
         "train.engine=single",
         f"train.device={device}",
@@ -99,6 +105,8 @@ def _arm_run_config(path: Path, *, seq_len: int, device: str, quick: bool, micro
     ]
     if ac:
         overrides.append(f"train.activation_checkpointing={ac}")
+    if float8 != "none":
+        overrides.append(f'train.float8="{float8}"')
     if quick:
         overrides += [*QUICK_MODEL, "train.compile=false", "train.precision=auto"]
     cfg = load_run_config(path, overrides, validate=False)
@@ -119,23 +127,32 @@ def most_micro(path: Path, seq_len: int, quick: bool) -> int:
 
 
 def arm_plan(
-    preset: str, kind: str, *, seq_len: int, device: str, quick: bool, micro_batch: int = 0, memory: int = 0
+    preset: str,
+    kind: str,
+    *,
+    seq_len: int,
+    device: str,
+    quick: bool,
+    micro_batch: int = 0,
+    memory: int = 0,
+    float8: str = "none",
 ) -> tuple[RunConfig, dict[str, Any]]:
     """The run config an arm trains with (the launch config on one device at ``seq_len``) and how its activation
     checkpointing and micro-batch were chosen: ``micro_batch`` > 0 fixes the micro-batch (the preset's
     checkpointing); 0 plans both for one device of ``memory`` bytes (0: this device's, ``device_memory``;
     ``QUICK_MEMORY`` with ``quick``): ``single_device_plan``'s pick up to ``most_micro``. When nothing fits by the
-    estimate the arm still runs, at micro-batch 1 with full recomputation, and says so."""
+    estimate the arm still runs, at micro-batch 1 with full recomputation, and says so. ``float8``: the arm's
+    ``train.float8`` recipe (planned with it)."""
     path = config_path(preset, kind)
     if micro_batch:
-        cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro_batch)
+        cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro_batch, float8=float8)
         return cfg, {"planned": False}
     memory = memory or (QUICK_MEMORY if quick else device_memory(device))
     most = most_micro(path, seq_len, quick)
-    sized = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=1)
+    sized = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=1, float8=float8)
     chosen = single_device_plan(sized, memory, max_micro=most, reserve=RESERVE)
     ac, micro = (chosen.ac, chosen.micro) if chosen is not None else ("full", 1)
-    cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro, ac=ac)
+    cfg = _arm_run_config(path, seq_len=seq_len, device=device, quick=quick, micro=micro, ac=ac, float8=float8)
     plan = {
         "planned": True,
         "memory_gib": memory / GIB,
@@ -273,6 +290,7 @@ def measure_arm(
         "steps": len(times),
         "warmup": warmup,
         "precision": cfg.train.precision,
+        "float8": cfg.train.float8,
         "compile": cfg.train.compile,
         "activation_checkpointing": cfg.train.activation_checkpointing,
         "plan": plan or {"planned": False},
@@ -325,27 +343,57 @@ def bench_arms(
     peak: float | None = None,
     deadline: float | None = None,
     errors: list[str] | None = None,
+    float8s: tuple[str, ...] = ("none",),
 ) -> list[dict[str, Any]]:
-    """One row per (preset, variant), with ``step_ratio`` = step time / full attention's of the same preset (when
-    measured). A failing arm (out of memory, a path this device lacks) is listed in ``errors`` and skipped."""
+    """One row per (preset, variant, float8 recipe), with ``step_ratio`` = step time / full attention's of the same
+    preset and recipe, and ``float8_speedup`` = tokens/s / the same arm's bf16 (``none``) tokens/s (when measured). A
+    failing arm (out of memory, a path this device lacks) is listed in ``errors`` and skipped."""
     rows: list[dict[str, Any]] = []
     for preset in presets:
         for kind in variants:
-            try:
-                cfg, plan = arm_plan(preset, kind, seq_len=seq_len, device=device, quick=quick, micro_batch=micro_batch)
-                measured = measure_arm(cfg, steps=steps, warmup=warmup, peak=peak, deadline=deadline, plan=plan)
-                row = {"preset": preset, **measured}
-            except (RuntimeError, MemoryError, ValueError) as err:
-                if errors is None:
-                    raise
-                errors.append(f"{preset} {kind}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
-                release(torch.device(resolve_device(device)))
-                continue
-            full = next((r for r in rows if r["preset"] == preset and r["kind"] == "full"), None)
-            row["step_ratio"] = time_ratio(row, full) if full else None
-            rows.append(row)
-            print(f"  train {preset} {kind}: {format_row(row)}", flush=True)
+            for float8 in float8s:
+                arm = f"{preset} {kind}" + (f" float8 {float8}" if float8 != "none" else "")
+                try:
+                    cfg, plan = arm_plan(
+                        preset,
+                        kind,
+                        seq_len=seq_len,
+                        device=device,
+                        quick=quick,
+                        micro_batch=micro_batch,
+                        float8=float8,
+                    )
+                    measured = measure_arm(cfg, steps=steps, warmup=warmup, peak=peak, deadline=deadline, plan=plan)
+                    row = {"preset": preset, **measured}
+                except (RuntimeError, MemoryError, ValueError, ConfigError) as err:
+                    if errors is None:
+                        raise
+                    errors.append(f"{arm}: {type(err).__name__}: {(str(err).splitlines() or [''])[0][:200]}")
+                    release(torch.device(resolve_device(device)))
+                    continue
+                same = [r for r in rows if r["preset"] == preset and r.get("float8", "none") == float8]
+                full = next((r for r in same if r["kind"] == "full"), None)
+                row["step_ratio"] = time_ratio(row, full) if full else None
+                row["float8_speedup"] = float8_speedup(row, rows)
+                rows.append(row)
+                print(f"  train {arm}: {format_row(row)}", flush=True)
     return rows
+
+
+def float8_speedup(row: dict[str, Any], rows: list[dict[str, Any]]) -> float | None:
+    """A float8 arm's tokens/s / the bf16 (``none``) arm's of the same preset and variant among ``rows``; None for a
+    bf16 arm or when that arm was not measured."""
+    if row.get("float8", "none") == "none":
+        return None
+    bf16 = next(
+        (
+            r
+            for r in rows
+            if r["preset"] == row["preset"] and r["kind"] == row["kind"] and r.get("float8", "none") == "none"
+        ),
+        None,
+    )
+    return row["tokens_per_s"] / bf16["tokens_per_s"] if bf16 else None
 
 
 def time_ratio(row: dict[str, Any], full: dict[str, Any]) -> float:
@@ -357,9 +405,17 @@ def time_ratio(row: dict[str, Any], full: dict[str, Any]) -> float:
 def format_row(row: dict[str, Any]) -> str:
     mfu_text = f", MFU {row['mfu']:.1%}" if row["mfu"] is not None else ""
     return (
-        f"step {row['step_s'] * 1e3:.1f} ms, {row['tokens_per_s']:,.0f} tok/s{mfu_text}, "
+        f"step {row['step_s'] * 1e3:.1f} ms, {row['tokens_per_s']:,.0f} tok/s{mfu_text}{float8_text(row)}, "
         f"peak {row['peak_memory_gib']:.2f} GiB; {plan_text(row)}"
     )
+
+
+def float8_text(row: dict[str, Any]) -> str:
+    """``, float8 rowwise (1.27x bf16's tokens/s)`` for a float8 row; empty for a bf16 one."""
+    if row.get("float8", "none") == "none":
+        return ""
+    speedup = row.get("float8_speedup")
+    return f", float8 {row['float8']}" + (f" ({speedup:.2f}x bf16's tokens/s)" if speedup is not None else "")
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
@@ -373,8 +429,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         mfu_text = "-" if r["mfu"] is None else f"{r['mfu']:.1%}"
         lines.append(
             f"| {r['preset']} | {r['kind']} | {r['seq_len']} | {r['micro_batch']} | {r['step_s'] * 1e3:.1f} | "
-            f"{ratio} | {r['tokens_per_s']:,.0f} | {mfu_text} | {r['peak_memory_gib']:.2f} | {r['precision']}, "
-            f"{'compile' if r['compile'] else 'eager'}, {r['activation_checkpointing']} |"
+            f"{ratio} | {r['tokens_per_s']:,.0f} | {mfu_text} | {r['peak_memory_gib']:.2f} | {r['precision']}"
+            f"{float8_text(r)}, {'compile' if r['compile'] else 'eager'}, {r['activation_checkpointing']} |"
         )
     return "\n".join(lines)
 
@@ -394,6 +450,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=-1, help="untimed steps first (default 3; 1 with --quick)")
     parser.add_argument("--micro-batch", type=int, default=0, help="0: the preset's tokens per micro-batch")
     parser.add_argument("--peak-tflops", type=float, default=0.0, help="dense bf16 peak for a device the table lacks")
+    parser.add_argument(
+        "--float8", type=parse_list, default=["none"], help="train.float8 recipes per arm, e.g. none,rowwise,tensorwise"
+    )
     parser.add_argument("--quick", action="store_true", help="a tiny model, few steps, no compile (CI)")
     parser.add_argument("--json", type=Path, default=None, help="write the rows here as JSON")
     args = parser.parse_args(argv)
@@ -401,6 +460,9 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [v for v in variants if v not in registry]
     if unknown:
         parser.error(f"--variants: {', '.join(unknown)} not registered; registered: {', '.join(sorted(registry))}")
+    wrong = [r for r in args.float8 if r not in FLOAT8_RECIPES]
+    if wrong or not args.float8:
+        parser.error(f"--float8: {', '.join(wrong) or 'empty'}: allowed {', '.join(FLOAT8_RECIPES)}")
     device = resolve_device(args.device, key="--device")
     peak = args.peak_tflops * 1e12 if args.peak_tflops else None
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
@@ -417,6 +479,7 @@ def main(argv: list[str] | None = None) -> None:
         micro_batch=args.micro_batch,
         peak=peak,
         errors=errors,
+        float8s=tuple(args.float8),
     )
     print("\n" + markdown(rows))
     for err in errors:

@@ -29,6 +29,7 @@ EXTRAS = {
     "accelerate": "eval",
     "deepspeed": "deepspeed",
     "flash_attn": "flash",
+    "torchao": "float8",
 }
 
 

@@ -22,7 +22,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 MODES = ("none", "selective", "full")
 
-_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+# _scaled_mm: train.float8's matmuls (torchao's Float8Linear)
+_MATMULS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_mm")
 MATMUL_OPS = frozenset(getattr(torch.ops.aten, name).default for name in _MATMULS if hasattr(torch.ops.aten, name))
 
 

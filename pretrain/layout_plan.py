@@ -14,6 +14,10 @@ variant adds is counted. See docs/planner.md for the model, what is exact and wh
   own ``Attention.saved_activation_bytes`` hook), the bytes autograd saves for the backward.
 - Working memory: ESTIMATED (FSDP2's gathered parameters, the LM head's transients, unsharded gradients while
   accumulating micro-batches), plus a reserve of the device for the CUDA context, NCCL and fragmentation.
+- ``train.float8``: the parameters, gradients, optimizer state and saved activations are unchanged (torchao keeps
+  the high-precision weights and saves each linear's high-precision input, as ``nn.Linear`` does); the tensorwise
+  recipe all-gathers the converted weights in float8 (1 byte, not bf16's 2), and every recipe adds the float8 copies
+  of the largest linear's input and weight while it computes (``float8_working_bytes``).
 
 The pick: among the layouts that fit, the least model parallelism (cp x tp), then the least recomputation (none,
 selective, full), then the largest micro-batch, then the largest margin. For each layout and mode the micro-batch is
@@ -204,6 +208,8 @@ def working_bytes(
     seq_len: int,
     accumulation: int,
     fused_head: bool = False,
+    float8: str = "none",
+    float8_filter: tuple[str, ...] = (),
 ) -> int:
     """FSDP2's gathered bf16 parameters (two blocks in flight, and the root's embeddings and head, which stay
     gathered from the forward to the backward), one block's unsharded gradients (bf16, then float32 for the
@@ -211,19 +217,25 @@ def working_bytes(
     micro-batches accumulate (``StateBytes.accumulation``), else 0. The head's transients: the plain head's bf16
     logits and their float32 copy's gradient for every token; the fused head's (``fused_head``) one chunk's
     (``model.loss.default_chunk`` tokens: float32 logits and a bf16 copy, 6 bytes per element) and bf16 copies of
-    the hidden states and the head's weight."""
+    the hidden states and the head's weight. ``float8`` / ``float8_filter``: ``train.float8``'s, see
+    ``float8_working_bytes``."""
+    float8_weights = float8_weight_names(model, float8, float8_filter)
+    gathered_float8 = float8 == "tensorwise"  # the float8 all-gather (pretrain.engines.float8)
     blocks: dict[int, int] = {}
+    gathered: dict[int, int] = {}  # bytes of a block's gathered parameters
     root = 0
     for p in param_table(model):
         numel = math.prod(p.shape) // (layout.tp if p.tp_dim is not None else 1)
         if p.name.startswith("blocks."):
             i = int(p.name.split(".")[1])
             blocks[i] = blocks.get(i, 0) + numel
+            gathered[i] = gathered.get(i, 0) + numel * (1 if gathered_float8 and p.name in float8_weights else 2)
         else:
             root += numel
     block = max(blocks.values(), default=0)
-    out = 2 * (2 * block) + 2 * root + (2 + 4) * block
+    out = 2 * max(gathered.values(), default=0) + 2 * root + (2 + 4) * block
     tokens, vocab, d = micro * (seq_len // layout.cp), model.cfg.vocab_size, model.cfg.d_model
+    out += float8_working_bytes(model, layout, float8_weights, tokens)
     if fused_head:
         from model.loss import default_chunk
 
@@ -231,6 +243,31 @@ def working_bytes(
     else:
         out += tokens * vocab * (2 + 4)
     return out + accumulation
+
+
+def float8_weight_names(model: Transformer, float8: str, patterns: tuple[str, ...] | list[str]) -> frozenset[str]:
+    """The weights ``train.float8`` converts (``pretrain.engines.float8.eligible``: the same filter), none for
+    ``none``."""
+    if float8 == "none":
+        return frozenset()
+    from pretrain.engines.float8 import eligible
+
+    names, _ = eligible(model, list(patterns))
+    return frozenset(f"{name}.weight" for name in names)
+
+
+def float8_working_bytes(model: Transformer, layout: ParallelLayout, weights: frozenset[str], tokens: int) -> int:
+    """The transients of one float8 matmul at a time: its input cast to float8 (``tokens`` x in-features, 1 byte;
+    the whole sequence's under sequence parallelism, which gathers before the projections) and its weight's float8
+    copy (the TP-local shard, 1 byte); the largest of the converted linears. 0 without float8."""
+    largest = 0
+    for p in param_table(model):
+        if p.name in weights:
+            rows, cols = p.shape
+            local = (rows * cols) // (layout.tp if p.tp_dim is not None else 1)
+            cols_local = cols // layout.tp if p.tp_dim == 1 else cols
+            largest = max(largest, tokens * cols_local + local)
+    return largest
 
 
 # ---- the plan ---------------------------------------------------------------------------------
@@ -317,6 +354,8 @@ def estimate(
         seq_len=seq_len,
         accumulation=state.accumulation if accumulate else 0,
         fused_head=fused,
+        float8=cfg.train.float8,
+        float8_filter=tuple(cfg.train.float8_filter),
     )
     act = activation_bytes(
         model,

@@ -153,6 +153,8 @@ class Trainer:
             self._init_from(cfg.train.init_from)  # before the engine wraps the weights (FSDP2 shards, ZeRO copies them)
         self.engine: Engine = build_engine(self.model, cfg.train, self.device)
         self._say(self.engine.layout.describe(self.engine.name))
+        if self.engine.float8_summary:
+            self._say(self.engine.float8_summary)
         # the loader is indexed by the data-parallel rank: the TP (and CP) ranks of one replica read the same sequences
         world = self.engine.data_world_size
         micro = cfg.train.micro_batch_size or max(1, cfg.train.batch_size // world)

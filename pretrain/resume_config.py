@@ -45,6 +45,10 @@ _KEYS = {
     "train.activation_checkpointing": LAUNCH,
     "train.fused_cross_entropy": LAUNCH,
     "train.sdpa_backend": LAUNCH,
+    # float8 casts inside the matmuls only: the weights and the optimizer state stay high precision
+    "train.float8": LAUNCH,
+    "train.float8_filter": LAUNCH,
+    "train.float8_emulate": LAUNCH,
     "train.micro_batch_size": LAUNCH,
     "train.fsdp2.replicate": LAUNCH,
     "train.parallel": LAUNCH,  # tp / cp: the layout; DCP reshards the state onto another

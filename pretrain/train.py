@@ -116,6 +116,8 @@ def _train(cfg: RunConfig, signals: SignalHandler) -> int:
         require("deepspeed", "train.engine = deepspeed")
     if cfg.eval.tasks:
         require("lm_eval", "eval.tasks")
+    if cfg.train.float8 != "none":
+        require("torchao", "train.float8")
     from pretrain.callbacks import default_callbacks  # heavy imports only once the config is known good
     from pretrain.loop import Trainer
 

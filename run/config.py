@@ -42,6 +42,8 @@ UNVERIFIABLE_POLICIES = ("stop", "start_over")  # checkpoint.unverifiable
 # checkpoint's bound at least 10 s (every rank writes and hashes its files inside it)
 MAX_COLLECTIVE_TIMEOUT = 86400.0
 MIN_CHECKPOINT_TIMEOUT = 10.0
+# train.float8: torchao's float8 training recipes (pretrain/engines/float8.py); none = no float8
+FLOAT8_RECIPES = ("none", "tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 
 def resolve_data_dir(data_dir: str | Path | None) -> Path:
@@ -105,6 +107,13 @@ class TrainConfig:
     # the SDPA backend tried first on CUDA (the others follow as fallbacks): auto (cudnn, then flash, efficient,
     # math) | cudnn | flash | efficient | math
     sdpa_backend: str = "auto"
+    # float8 matmuls in the blocks' linear layers through torchao (pip install -e '.[float8]'): none | tensorwise |
+    # rowwise | rowwise_with_gw_hp; the weights, checkpoints and exports stay high precision
+    float8: str = "none"
+    # module-name patterns (fnmatch) of further linear layers kept in high precision under train.float8
+    float8_filter: list[str] = field(default_factory=list)
+    # train.float8 on a CUDA device without float8 tensor cores (compute capability < 8.9): emulated (slow)
+    float8_emulate: bool = False
     # initialise the weights from another run's checkpoint (a checkpoint dir, or a run dir = its
     # latest); optimizer and schedule start fresh. Ignored once this run has its own checkpoint.
     init_from: str = ""
@@ -176,6 +185,7 @@ class TrainConfig:
                 f"train.unfreeze_at: not supported with train.engine={self.engine} (the trainable set is fixed "
                 f"when the model is wrapped); engines that support it: {capable}"
             )
+        self.validate_float8()
         check_choice("train.nonfinite", self.nonfinite, NONFINITE_POLICIES)
         check_min("train.nonfinite_skips", self.nonfinite_skips, 1)
         check_range("train.collective_timeout", self.collective_timeout, 1.0, MAX_COLLECTIVE_TIMEOUT)
@@ -197,6 +207,17 @@ class TrainConfig:
         check_min("train.eps", self.eps, 0.0, strict=True)
         check_min("train.weight_decay", self.weight_decay, 0.0)
         check_min("train.grad_clip", self.grad_clip, 0)
+
+    def validate_float8(self) -> None:
+        check_choice("train.float8", self.float8, FLOAT8_RECIPES)
+        if self.float8 != "none" and not ENGINE_SPECS[self.engine].float8:
+            capable = ", ".join(n for n, s in ENGINE_SPECS.items() if s.float8)
+            raise ConfigError(
+                f"train.float8: not supported with train.engine={self.engine}; engines that support it: {capable}"
+            )
+        for pattern in self.float8_filter:
+            if not isinstance(pattern, str) or not pattern:
+                raise ConfigError(f"train.float8_filter: {pattern!r} is not a module-name pattern (a non-empty string)")
 
 
 @dataclass

@@ -56,6 +56,8 @@ class EngineSpec:
     options_cls: type | None = None
     # hosts train.parallel.tp / cp > 1 (one device mesh: tensor / context parallel inside data parallel)
     model_parallel: bool = False
+    # hosts train.float8 (torchao's Float8Linear inside the engine's own wrap)
+    float8: bool = True
 
 
 ENGINE_SPECS: dict[str, EngineSpec] = {}
@@ -91,6 +93,9 @@ for _spec in (
         # no train.unfreeze_at: ZeRO flattens the parameters that require grad into its partitions (one AdamW state,
         # one step count per flat group) at initialize; a parameter unfrozen later would never be reduced or stepped
         changes_trainable=False,
+        # no train.float8: DeepSpeed casts and partitions the module itself (bf16 / ZeRO-3 parameter hooks), which
+        # torchao's Float8Linear and its float8 weight casts are not built or tested for
+        float8=False,
     ),
 ):
     register_engine_spec(_spec)

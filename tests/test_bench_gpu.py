@@ -471,3 +471,101 @@ def test_bad_arguments_are_one_line_and_exit_2_before_any_work(case, args, words
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith("error: python -m bench.gpu: ") and all(w in err for w in words), err
     assert not (tmp_path / "out").exists()
+
+
+# ---- float8 arms (issue 49) -----------------------------------------------------------------------------------------
+
+
+def test_float8_arms_beside_the_bf16_one_count_the_bf16_flops_and_report_the_speedup(tmp_path):
+    """``--float8 none,rowwise``: the same arm per recipe, planned with it; a float8 row's MFU uses the bf16 arm's
+    FLOPs per token and peak, and its ``float8_speedup`` is its tokens/s / the bf16 arm's."""
+    pytest.importorskip("torchao")
+    out = tmp_path / "train.json"
+    argv = ["--quick", "--device", "cpu", "--presets", "llama-124m", "--variants", "full", "--steps", "1"]
+    train_step.main([*argv, "--warmup", "0", "--peak-tflops", "1", "--float8", "none,rowwise", "--json", str(out)])
+    bf16, f8 = json.loads(out.read_text())["rows"]
+    assert (bf16["float8"], f8["float8"], f8["kind"], f8["micro_batch"]) == ("none", "rowwise", "full", 2)
+    assert bf16["float8_speedup"] is None and f8["float8_speedup"] == pytest.approx(
+        f8["tokens_per_s"] / bf16["tokens_per_s"]
+    )
+    assert f8["flops_per_token"] == bf16["flops_per_token"] and f8["peak_flops"] == bf16["peak_flops"]
+    assert f8["mfu"] == pytest.approx(f8["tokens_per_s"] * bf16["flops_per_token"] / 1e12)
+    assert f8["finite"] and f8["step_ratio"] is None  # no float8 full arm before it: its own recipe's reference
+    text = train_step.markdown([bf16, f8])
+    assert f", float8 rowwise ({f8['float8_speedup']:.2f}x bf16's tokens/s), eager, " in text
+
+
+def test_float8_arms_are_planned_with_their_recipe():
+    """An arm is planned with its own ``train.float8`` (the planner adds float8's working memory: rowwise, one
+    matmul's float8 casts), and ``--float8`` takes only the recipes, in one line."""
+    h100 = 80 << 30
+    bf16, plan = train_step.arm_plan("llama-2.7b", "full", seq_len=T, device="cpu", quick=False, memory=h100)
+    f8, f8_plan = train_step.arm_plan(
+        "llama-2.7b", "full", seq_len=T, device="cpu", quick=False, memory=h100, float8="rowwise"
+    )
+    assert (bf16.train.float8, f8.train.float8) == ("none", "rowwise")
+    assert f8_plan["planned"] and f8_plan["fits"] and plan["fits"]
+    assert f8_plan["estimate_gib"] >= plan["estimate_gib"] or f8.train.micro_batch_size < bf16.train.micro_batch_size
+    with pytest.raises(SystemExit) as exit_info:
+        train_step.main(["--quick", "--device", "cpu", "--float8", "fp8"])
+    assert exit_info.value.code == 2
+
+
+def test_the_suite_runs_float8_arms_and_the_headline_holds_them_to_the_goals(tmp_path):
+    names = [i.name for i in gpu.build_items("cuda", gpu.GPU_PLAN, False, tmp_path)]
+    f8 = [n for n in names if "llama-2.7b" in n]
+    assert f8 == [
+        "train llama-2.7b full",
+        "train llama-2.7b full float8 rowwise",
+        "train llama-2.7b full float8 tensorwise",
+    ]
+    quick = [i.name for i in gpu.build_items("cpu", gpu.QUICK_PLAN, True, tmp_path)]
+    assert [n for n in quick if "float8" in n] == ["train llama-2.7b full float8 rowwise"]
+    assert gpu.GPU_PLAN.float8_steps == 50  # the issue's loss comparison: after 50 steps
+
+    def row(recipe: str, tps: float, loss: float) -> dict:
+        plan = {"planned": False}
+        return dict(
+            preset="llama-2.7b",
+            kind="full",
+            float8=recipe,
+            tokens_per_s=tps,
+            step_s=4096 / tps,
+            seq_len=T,
+            micro_batch=1,
+            activation_checkpointing="none",
+            plan=plan,
+            mfu=0.4,
+            peak_flops=989e12,
+            warmup=3,
+            steps=47,
+            loss=loss,
+        )
+
+    report = _report(tmp_path)
+    for name, r in (
+        ("train llama-2.7b full", row("none", 10_000, 2.0)),
+        ("train llama-2.7b full float8 rowwise", row("rowwise", 12_500, 2.01)),
+        ("train llama-2.7b full float8 tensorwise", row("tensorwise", 12_000, 2.03)),
+    ):
+        report["items"].append({"name": name, "status": "ok", "result": r})
+    lines = {h["what"].split(" (T=")[0]: h for h in gpu_report.headline(report)}
+    rowwise, tensorwise = (
+        lines["llama-2.7b full float8 rowwise tokens/s / bf16's"],
+        lines["llama-2.7b full float8 tensorwise tokens/s / bf16's"],
+    )
+    assert (rowwise["value"], rowwise["goal"], rowwise["met"]) == (
+        "1.25x (12,500 tok/s)",
+        ">= 1.2x on an H100 / H200",
+        True,
+    )
+    assert (tensorwise["value"], tensorwise["met"]) == ("1.20x (12,000 tok/s)", False)
+    assert "llama-2.7b full attention MFU" in lines  # the bf16 arm stays the preset's full-attention row
+    loss = {h["what"]: h for h in gpu_report.headline(report) if "loss" in h["what"]}
+    rowwise_loss = loss["llama-2.7b full float8 rowwise loss / bf16's after 50 steps"]
+    assert (rowwise_loss["value"], rowwise_loss["goal"], rowwise_loss["met"]) == (
+        "+0.50% (2.0100 vs 2.0000)",
+        "within 1%",
+        True,
+    )
+    assert not loss["llama-2.7b full float8 tensorwise loss / bf16's after 50 steps"]["met"]  # +1.5%

@@ -10,7 +10,7 @@ from core.errors import EXTRAS, install_hint, missing_extra
 from tests.conftest import REPO
 from tests.e2e.test_fresh_install import _requirements
 
-JOURNEY_EXTRAS = {"hf", "eval", "deepspeed", "flash"}
+JOURNEY_EXTRAS = {"hf", "eval", "deepspeed", "flash", "float8"}
 
 
 def extras() -> dict[str, set[str]]:

@@ -57,6 +57,8 @@ class Engine:
         # TP, CP, activation checkpointing, compile, then the data-parallel wrap, before the optimizer sees the
         # parameters (pretrain.engines.parallelize)
         self.wrapped = self.parallelize(model)
+        # train.float8: the conversion's one line (what converted, what stayed high precision), for the trainer's log
+        self.float8_summary: str | None = getattr(model, "float8_summary", None)
         self.context_parallel = model.context_parallel
         self.model: nn.Module = self.wrapped
         self.optimizer, self.scheduler = self.make_optimizer(model)

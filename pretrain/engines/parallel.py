@@ -29,6 +29,7 @@ from core.errors import ConfigError
 from core.files import plain_mode
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
+from pretrain.engines.float8 import plain_state, plain_tree, precompute_scales, uses_float8_all_gather
 from pretrain.engines.parallelize import apply_ddp, parallelize
 from run.parallel import ParallelLayout
 
@@ -182,6 +183,8 @@ class DataParallelEngine(Engine):
         from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
 
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
+        if self.cfg.float8 != "none":  # ordinary tensors in the shards, not torchao's float8 all-gather wrapper
+            model_sd, optim_sd = plain_tree(model_sd), plain_tree(optim_sd)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(directory / DCP_DIR))
         # a parameter that FSDP2 and TP split on the same dimension (_StridedShard, Shard) gathers in two all-gathers
         # that torch cannot merge into one and warns so on every rank at each save; its merge pass has nothing to merge
@@ -189,7 +192,8 @@ class DataParallelEngine(Engine):
         with disable_redistribute_transform_optimization():
             full = get_model_state_dict(self.wrapped, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if self.is_main:
-            self._write_consolidated(directory, cast("dict[str, Tensor]", full))  # a full state dict: tensors only
+            # a full state dict: tensors only (plain ones: the float8 all-gather's weight wrapper unwrapped)
+            self._write_consolidated(directory, plain_state(cast("dict[str, Tensor]", full)))
 
     def _write_consolidated(self, directory: Path, full: dict[str, Tensor]) -> None:
         """The main rank's share of a checkpoint: the whole weights ``full`` (``MODEL_FILE``) and the scheduler."""
@@ -289,7 +293,22 @@ class FSDP2Engine(DataParallelEngine):
         param_dtype = None
         if self.amp_dtype is not None and self.device.type == "cuda":
             param_dtype, self.amp_dtype = self.amp_dtype, None  # FSDP2's policy casts; no autocast on top
-        return parallelize(model, self.cfg, dims=self.dims, data_parallel="fsdp", param_dtype=param_dtype)
+        wrapped = parallelize(model, self.cfg, dims=self.dims, data_parallel="fsdp", param_dtype=param_dtype)
+        # train.float8 tensorwise: the weights all-gather in float8 with scales precomputed for all of them at once
+        self.float8_scales = uses_float8_all_gather(model)
+        if self.float8_scales:
+            precompute_scales(model)
+        return wrapped
+
+    def apply_update(self, *, skip: bool = False) -> None:
+        super().apply_update(skip=skip)
+        if self.float8_scales and not skip:  # the weights changed: the next all-gather's scales, once per step
+            precompute_scales(self.raw_model)
+
+    def read_state(self, directory: Path) -> None:
+        super().read_state(directory)
+        if self.float8_scales:  # the loaded weights' scales
+            precompute_scales(self.raw_model)
 
     def no_sync(self, sync: bool) -> contextlib.AbstractContextManager:
         cast("FSDPModule", self.wrapped).set_requires_gradient_sync(sync)

@@ -2,6 +2,8 @@
 
 In this order, as torchtitan's ``parallelize_llama``:
 
+0. float8 (``train.float8``, ``pretrain.engines.float8.convert``): the blocks' eligible linears become torchao's
+   ``Float8Linear`` (same parameters); first, so the styles and wraps below see the converted modules;
 1. tensor parallelism (``train.parallel.tp > 1``, ``tensor_parallel.apply_tp``): heads and MLP columns split over
    the TP mesh, every other parameter a DTensor on it;
 2. context parallelism (``train.parallel.cp > 1``, ``model.transformer.apply_context_parallel``): every attention
@@ -43,7 +45,13 @@ def parallelize(
     """Apply TP, CP, activation checkpointing, compile and the data-parallel wrap to ``model`` in place (module
     docstring); returns the module the forward runs through. ``data_parallel``: ``"fsdp"`` shards over ``dims``
     (``param_dtype``: FSDP2's compute dtype, with float32 gradient reduction; None keeps the parameters' own),
-    ``"ddp"`` replicates on ``device``."""
+    ``"ddp"`` replicates on ``device``. Under ``train.float8`` the conversion's log line is left in
+    ``model.float8_summary``."""
+    if cfg.float8 != "none":
+        from pretrain.engines.float8 import convert
+
+        where = device if device is not None else next(model.parameters()).device
+        setattr(model, "float8_summary", convert(model, cfg, where, fsdp=data_parallel == "fsdp"))  # noqa: B010  (Module.__setattr__ is typed for tensors and modules)
     if dims is not None:
         tp_mesh = dims.tp_mesh()
         if tp_mesh is not None:

@@ -27,6 +27,12 @@ The plan (torchtitan's):
   DTensor's local tensor with a partial gradient, which the gather's backward reduce-scatters.
 
 A new variant is placed by its ``head_sharded_parameters`` alone; nothing here names a variant.
+
+Under ``train.float8`` with the tensorwise recipe the converted projections take torchao's float8 styles
+(``Float8ColwiseParallel`` / ``Float8RowwiseParallel``: the input cast to float8 before it is gathered) and the MLP's
+input is gathered in float8 (``PrepareFloat8ModuleInput``); attention's stays high precision (the variant reads the
+residual stream as ``hidden``). The parameters are placed as by the plain styles (``pretrain.engines.float8``). On a
+CPU mesh (gloo cannot carry float8 tensors) the plain styles apply to every recipe.
 """
 
 from __future__ import annotations
@@ -129,7 +135,18 @@ class _SequenceRowwise(RowwiseParallel):
         self, output_layouts: Any, use_local_output: bool, mod: nn.Module, outputs: Any, device_mesh: DeviceMesh
     ) -> Any:
         layouts = output_layouts if self.switch.on else (Replicate(),)
-        return RowwiseParallel._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+        # the next style in the MRO: RowwiseParallel's, or torchao's float8 one (_float8_sequence_rowwise)
+        return super()._prepare_output_fn(layouts, use_local_output, mod, outputs, device_mesh)
+
+
+def _float8_sequence_rowwise(switch: SequenceSwitch) -> RowwiseParallel:
+    """``_SequenceRowwise`` over torchao's ``Float8RowwiseParallel`` (a tensorwise float8 linear's)."""
+    from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
+
+    class _Float8SequenceRowwise(_SequenceRowwise, Float8RowwiseParallel):
+        pass
+
+    return _Float8SequenceRowwise(switch)
 
 
 class _SequenceNorm(SequenceParallel):
@@ -174,19 +191,42 @@ def _sum_hidden_grad(group: dist.ProcessGroup) -> Callable[[nn.Module, tuple, di
     return hook
 
 
-def tp_plan(model: Transformer, switch: SequenceSwitch | None = None) -> dict[str, ParallelStyle]:
-    """The ``parallelize_module`` plan: module path -> style; with ``switch``, sequence parallelism's."""
+def _styles(model: nn.Module, path: str, float8: bool) -> tuple[type[ColwiseParallel], type[RowwiseParallel]]:
+    """The (colwise, rowwise) style classes of linear ``path``: with ``float8``, torchao's float8 ones for a
+    tensorwise float8 linear."""
+    from pretrain.engines.float8 import tp_styles
+
+    module = model.get_submodule(path)
+    if not float8:
+        return ColwiseParallel, RowwiseParallel
+    return tp_styles(module, "colwise") or ColwiseParallel, tp_styles(module, "rowwise") or RowwiseParallel
+
+
+def tp_plan(
+    model: Transformer, switch: SequenceSwitch | None = None, *, float8_styles: bool = True
+) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan: module path -> style; with ``switch``, sequence parallelism's.
+    ``float8_styles``: torchao's float8 styles for tensorwise float8 linears (off over gloo, which carries no float8
+    tensors: their activations and gradients would be gathered in float8; the plain styles then place the same
+    parameters, and the linears still compute in float8)."""
     projections = {
         i: ("attn.wq", "attn.wk", "attn.wv", "mlp.up") + (("mlp.gate",) if block.mlp.gate is not None else ())
         for i, block in enumerate(model.blocks)
     }
+
+    def colwise(path: str) -> ParallelStyle:
+        return _styles(model, path, float8_styles)[0]()
+
+    def rowwise(path: str) -> ParallelStyle:
+        return _styles(model, path, float8_styles)[1]()
+
     plan: dict[str, ParallelStyle] = {}
     if switch is None:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
         for i in projections:
-            plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in projections[i]}
-            plan |= {f"blocks.{i}.attn.wo": RowwiseParallel(), f"blocks.{i}.mlp.down": RowwiseParallel()}
+            plan |= {f"blocks.{i}.{name}": colwise(f"blocks.{i}.{name}") for name in projections[i]}
+            plan |= {f"blocks.{i}.{out}": rowwise(f"blocks.{i}.{out}") for out in ("attn.wo", "mlp.down")}
         return plan
     gather = (Shard(1),), (Replicate(),)  # a module's input: split on the sequence -> whole
     plan["tok_emb"] = _SequenceRowwise(switch, input_layouts=Replicate())
@@ -199,8 +239,17 @@ def tp_plan(model: Transformer, switch: SequenceSwitch | None = None) -> dict[st
         for norm, module, out in (("norm1", "attn", "attn.wo"), ("norm2", "mlp", "mlp.down")):
             plan[f"blocks.{i}.{norm}"] = _SequenceNorm(switch)
             plan[f"blocks.{i}.{module}"] = PrepareModuleInput(input_layouts=gather[0], desired_input_layouts=gather[1])
-            plan[f"blocks.{i}.{out}"] = _SequenceRowwise(switch)
-        plan |= {f"blocks.{i}.{name}": ColwiseParallel() for name in projections[i]}
+            float8_out = _styles(model, f"blocks.{i}.{out}", float8_styles)[1] is not RowwiseParallel
+            plan[f"blocks.{i}.{out}"] = _float8_sequence_rowwise(switch) if float8_out else _SequenceRowwise(switch)
+        mlp_inputs = [f"blocks.{i}.{name}" for name in projections[i] if name.startswith("mlp.")]
+        if all(_styles(model, path, float8_styles)[0] is not ColwiseParallel for path in mlp_inputs):
+            # the MLP's input feeds only its float8 linears: gathered in float8, once for up and gate
+            from pretrain.engines.float8 import prepare_input_style
+
+            plan[f"blocks.{i}.mlp"] = prepare_input_style(
+                input_layouts=gather[0][0], desired_input_layouts=gather[1][0], fwd_config_submodule_fqn="up"
+            )
+        plan |= {f"blocks.{i}.{name}": colwise(f"blocks.{i}.{name}") for name in projections[i]}
     return plan
 
 
@@ -232,7 +281,7 @@ def apply_tp(model: Transformer, mesh: DeviceMesh, *, sequence_parallel: bool) -
     tied = model.lm_head.weight is model.tok_emb.weight
     trainable = {name: p.requires_grad for name, p in model.named_parameters()}
     switch = SequenceSwitch(mesh.size()) if sequence_parallel else None
-    parallelize_module(model, mesh, tp_plan(model, switch))
+    parallelize_module(model, mesh, tp_plan(model, switch, float8_styles=mesh.device_type != "cpu"))
     if tied:
         model.lm_head.weight = model.tok_emb.weight
     for name, placed in model.named_parameters():  # SequenceParallel makes a new (trainable) parameter of each norm's

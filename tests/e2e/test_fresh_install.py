@@ -200,6 +200,7 @@ WITHOUT_EXTRA = [
     ("eval.lm_eval", ["--model", "focused", "--tasks", "hellaswag"], "eval"),
     ("pretrain.train", ["--config", TINY, "--set", "train.engine=deepspeed"], "deepspeed"),
     ("pretrain.train", ["--config", TINY, "--set", 'eval.tasks=["hellaswag"]'], "eval"),
+    ("pretrain.train", ["--config", TINY, "--set", 'train.float8="rowwise"'], "float8"),
     (
         "pretrain.train",
         ["--config", TINY, "--set", "model.attention.full.backend=flash_attn"],

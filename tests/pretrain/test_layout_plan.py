@@ -188,3 +188,22 @@ def test_a_length_past_the_model_names_the_keys_that_change_it(capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: data.seq_len: 32768 exceeds model.max_seq_len=2048")
     assert "--set model.max_seq_len=32768" in err and "model.rope.scaling" in err and "model.rope.factor=16" in err
+
+
+def test_float8_changes_only_the_gathered_weights_and_adds_one_matmuls_casts():
+    """train.float8: the same state and activations; tensorwise all-gathers the converted weights in 1 byte, not 2 (two
+    blocks in flight), and each recipe adds the float8 copies of the largest linear's input and weight."""
+    cfg = load_run_config(CONFIG_DIR / "llama-1.3b.toml", ["data.seq_len=4096", "model.max_seq_len=4096"])
+    model, layout = layout_plan.meta_model(cfg), ParallelLayout()
+    m = cfg.model
+    d, f, hq, hkv, hd = m.d_model, m.ffn_dim, m.n_heads, m.kv_heads, m.head_dim
+    converted = d * hq * hd + 2 * d * hkv * hd + hq * hd * d + 3 * d * f  # wq, wk, wv, wo, up, gate, down
+    tokens = 8 * 4096
+    casts = max(tokens * d + d * max(hq * hd, f), tokens * hq * hd + hq * hd * d, tokens * f + f * d)
+    kw = dict(micro=8, seq_len=4096, accumulation=0, fused_head=True)
+    none = layout_plan.working_bytes(model, layout, **kw)
+    assert layout_plan.working_bytes(model, layout, **kw, float8="rowwise") - none == casts
+    assert layout_plan.working_bytes(model, layout, **kw, float8="tensorwise") - none == casts - 2 * converted
+    # a filtered MLP all-gathers in bf16 again
+    mlp = layout_plan.working_bytes(model, layout, **kw, float8="tensorwise", float8_filter=("*.mlp.*",))
+    assert mlp - none == max(tokens * d + d * hq * hd, tokens * hq * hd + hq * hd * d) - 2 * (converted - 3 * d * f)
