@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import logging
 import re
-import warnings
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -157,13 +156,6 @@ def convert(model: nn.Module, cfg: TrainConfig, device: torch.device, *, fsdp: b
     names, kept = eligible(model, cfg.float8_filter)
     chosen = set(names)
     torchao_float8().convert_to_float8_training(model, config=config, module_filter_fn=lambda _, fqn: fqn in chosen)
-    if fsdp:
-        # a Float8Linear's output is a view (its 2-D matmul reshaped): FSDP2 warns at each block whose returned
-        # AttnOut holds wo's output, which the model reads only inside the block (the pre-backward hook that
-        # matters sits on the block's residual output): a line of noise per rank and launch, not a fault
-        warnings.filterwarnings(
-            "ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor", category=UserWarning
-        )
     return summary(cfg.float8, names, kept, config.enable_fsdp_float8_all_gather)
 
 
