@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
-from model.attention.common.flex import flex_supports, gpu_paths_active
+from model.attention.common.flex import cached_structure, flex_supports, gpu_paths_active
 from model.attention.focus import naive
 from model.attention.focus.config import FocusConfig, lambda_at
 from model.attention.focus.hard import decode_host as host_decode
@@ -27,7 +27,7 @@ from model.attention.focus.hard import group_sparse
 from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus.hard.decode_device import device_decode_step
-from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
+from model.attention.focus.hard.flex import FLEX_BLOCK, band_block_mask_tensors, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
 from model.attention.focus.sinkhorn_op import PREFIX_OP, prefix_assignments
@@ -59,18 +59,35 @@ def centroid_scores(projected: Tensor, centroids: Tensor, tau: float) -> Tensor:
 
 
 def hard_inference(
-    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float,
+    band: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """The whole hard-mode forward of a sequence on the GPU path (group scores, assignments, memberships, the two
     FlexAttention calls and their merge): what ``FocusAttention`` compiles as one graph for inference on CUDA
     (``hard_inference_fn``). The same operations as the module's eager path (``group_scores``, ``assign_whole``,
-    ``membership_bits``, ``flex_hard_attention``)."""
+    ``membership_bits``, ``flex_hard_attention``). ``band``: the band call's shape-only block structure, built and
+    cached outside the graph (``hard_band``); None = built inside it."""
     s = centroid_scores(F.linear(hidden, w_g), centroids, cfg.tau)
     bits = membership_bits(assign_scores(s, cfg), cfg.top_k)
     return flex_hard_attention(
         q, k, v, bits_q=bits, bits_k=bits, window=cfg.window, scale=scale, n_groups=cfg.n_groups, top_k=cfg.top_k,
-        compiled=True,
+        compiled=True, band=band,
     )  # fmt: skip
+
+
+def hard_band(length: int, window: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The band call's block structure of a whole sequence, built once per shape and passed into the compiled graph
+    (inside it: seven operations per layer). Its block-count dimensions are marked dynamic: duck sizing would
+    otherwise give a count equal to the batch or head count their symbol, and recompile at the next length."""
+
+    def build() -> tuple[Tensor, Tensor]:
+        num, idx = band_block_mask_tensors(length, length, window, device=device)
+        torch._dynamo.maybe_mark_dynamic(num, 2)
+        torch._dynamo.maybe_mark_dynamic(idx, 2)
+        torch._dynamo.maybe_mark_dynamic(idx, 3)
+        return num, idx
+
+    return cached_structure(("focus_band_tensors", length, window, str(device)), build)
 
 
 _HARD_INFERENCE: list[Callable[..., Tensor]] = []
@@ -106,7 +123,8 @@ def run_hard_inference(
     """``hard_inference`` of a whole sequence through ``hard_inference_fn`` (the length's compile)."""
     t = q.shape[2]
     graphed = q.is_cuda and t in CUDA_GRAPH_LENGTHS
-    out = hard_inference_fn(t, q.is_cuda)(q, k, v, hidden, w_g, centroids, cfg, scale)
+    band = hard_band(t, cfg.window, q.device)
+    out = hard_inference_fn(t, q.is_cuda)(q, k, v, hidden, w_g, centroids, cfg, scale, band)
     return out.clone() if graphed else out
 
 

@@ -175,8 +175,7 @@ def whole_band_block_mask_tensors(
     t: int, window: int, *, device: torch.device, block: int = FLEX_BLOCK
 ) -> tuple[Tensor, Tensor]:
     """``band_block_mask_tensors(t, t, window)`` of a whole sequence, in seven int32 operations (what a compiled
-    graph builds: the cache cannot serve it there, and passing the structure in as an input gave its block count a
-    size symbol of its own, which dynamo's duck sizing ties to an equal batch or head count: a recompile). Query
+    graph builds when no caller passed the structure in: the cache cannot serve it there). Query
     block qb reads key blocks qb - ceil((window - 1) / block) (at least 0) to qb; entries past the count repeat qb
     (FlexAttention reads only the first ``count``)."""
     qb = torch.arange((t + block - 1) // block, device=device, dtype=torch.int32)
@@ -187,15 +186,16 @@ def whole_band_block_mask_tensors(
 
 def flex_hard_attention(
     q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, window: int, scale: float, n_groups: int,
-    top_k: int, compiled: bool,
+    top_k: int, compiled: bool, band: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
     by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests.
 
-    The band's shape-only block structure is cached per shape where nothing traces; a compiled graph of a whole
-    sequence builds it in seven small operations (``whole_band_block_mask_tensors``). Without autograd only the
-    key-side block lists are built (``compute_q_blocks=False``: the backward's query-side transposes are three sorts
-    and some 45 operations that inference never reads)."""
+    ``band``: the band's shape-only block structure (``band_block_mask_tensors``) from the caller, built outside a
+    compiled graph (``module.run_hard_inference``); None = cached per shape here where nothing traces, and built in
+    seven small operations inside a compiled graph of a whole sequence (``whole_band_block_mask_tensors``). Without
+    autograd only the key-side block lists are built (``compute_q_blocks=False``: the backward's query-side transposes
+    are three sorts and some 45 operations that inference never reads)."""
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
     bsz, h, tq, d = q.shape
@@ -258,11 +258,12 @@ def flex_hard_attention(
         dist = qi - kv if start == 0 else qi + start - kv
         return (dist >= 0) & (dist < window) & ((bits_q[b, qi] & bits_k[b, kv]) == 0)
 
-    if whole and torch.compiler.is_compiling():
+    if band is None and whole and torch.compiler.is_compiling():
+        band = whole_band_block_mask_tensors(tk, window, device=q.device)
+    if band is not None:
         band_mask = BlockMask.from_kv_blocks(
-            *whole_band_block_mask_tensors(tk, window, device=q.device), BLOCK_SIZE=FLEX_BLOCK, mask_mod=band_mod,
-            seq_lengths=(tq, tk), compute_q_blocks=backward,
-        )  # fmt: skip
+            *band, BLOCK_SIZE=FLEX_BLOCK, mask_mod=band_mod, seq_lengths=(tq, tk), compute_q_blocks=backward
+        )
     else:
         structure = cached_block_mask(
             ("focus_band", tq, tk, window, str(q.device)),
