@@ -123,7 +123,8 @@ def run_hard_inference(
     """``hard_inference`` of a whole sequence through ``hard_inference_fn`` (the length's compile)."""
     t = q.shape[2]
     graphed = q.is_cuda and t in CUDA_GRAPH_LENGTHS
-    band = hard_band(t, cfg.window, q.device)
+    # a static (CUDA-graph) compile builds the band in its graph from constant shapes; the dynamic one takes it in
+    band = None if graphed else hard_band(t, cfg.window, q.device)
     out = hard_inference_fn(t, q.is_cuda)(q, k, v, hidden, w_g, centroids, cfg, scale, band)
     return out.clone() if graphed else out
 
