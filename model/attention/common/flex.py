@@ -5,13 +5,15 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Callable, Hashable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
 if TYPE_CHECKING:
     from torch.nn.attention.flex_attention import BlockMask
+
+T = TypeVar("T")
 
 MIN_HEAD_DIM = 16  # FlexAttention's compiled kernels need a head dimension of at least 16
 
@@ -82,24 +84,32 @@ def flex_attention_fn(compiled: bool, site: str) -> Callable[..., Any]:
     return fn
 
 
-_BLOCK_MASKS: dict[Hashable, BlockMask] = {}
+_CACHE: dict[Hashable, Any] = {}
 MAX_CACHED_BLOCK_MASKS = 64
 
 
+def cached_structure(key: Hashable, build: Callable[[], T]) -> T:
+    """A shape-only structure (a block mask, or the tensors of one) built once per ``key`` (shape, device, ...) and
+    shared by every layer and call; built afresh while torch.compile traces (a dict keyed by the lengths would
+    specialise them: a recompile each), so a compiled function takes such a structure as an input instead. The
+    oldest entry goes when the cache is full."""
+    if torch.compiler.is_compiling():
+        return build()
+    value = _CACHE.get(key)
+    if value is None:
+        if len(_CACHE) >= MAX_CACHED_BLOCK_MASKS:
+            _CACHE.pop(next(iter(_CACHE)))
+        value = _CACHE[key] = build()
+    return value
+
+
 def cached_block_mask(key: Hashable, build: Callable[[], BlockMask]) -> BlockMask:
-    """A block mask built once per ``key`` (shape, device, ...) and shared by every layer and call.
+    """A block mask built once per ``key`` (``cached_structure``).
 
     Build it without a data-dependent ``mask_mod`` (the cache would keep that layer's tensors alive); a caller that
-    needs one takes a shallow copy and sets ``mask_mod`` on it. The oldest entry goes when the cache is full.
+    needs one takes a shallow copy and sets ``mask_mod`` on it.
     """
-    if torch.compiler.is_compiling():  # traced: a dict keyed by the lengths would specialise them (a recompile each)
-        return build()
-    mask = _BLOCK_MASKS.get(key)
-    if mask is None:
-        if len(_BLOCK_MASKS) >= MAX_CACHED_BLOCK_MASKS:
-            _BLOCK_MASKS.pop(next(iter(_BLOCK_MASKS)))
-        mask = _BLOCK_MASKS[key] = build()
-    return mask
+    return cached_structure(key, build)
 
 
 def causal_block_mask(tq: int, tk: int, device: torch.device | str, block: int = 128) -> BlockMask:

@@ -8,6 +8,7 @@ statistics the trainer logs; under context parallelism it gathers the group scor
 from __future__ import annotations
 
 import math
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
-from model.attention.common.flex import flex_supports, gpu_paths_active
+from model.attention.common.flex import cached_structure, flex_supports, gpu_paths_active
 from model.attention.common.triton import interpreting
 from model.attention.focus import naive
 from model.attention.focus.config import FocusConfig, lambda_at
@@ -28,9 +29,10 @@ from model.attention.focus.hard.cpu import cpu_hard_attention, cpu_kernel_dtypes
 from model.attention.focus.hard.decode import GroupLists, cpu_decode_hard_attention, decode_hard_attention
 from model.attention.focus.hard.decode_device import device_decode_step
 from model.attention.focus.hard.decode_pages import GroupPages, build_pages
-from model.attention.focus.hard.flex import FLEX_BLOCK, flex_hard_attention
+from model.attention.focus.hard.flex import FLEX_BLOCK, band_block_mask_tensors, flex_hard_attention
 from model.attention.focus.naive import hard_mask, membership_bits
 from model.attention.focus.sinkhorn import group_imbalance, sinkhorn_prefix, sinkhorn_sequence
+from model.attention.focus.sinkhorn_op import PREFIX_OP, prefix_assignments
 from model.attention.focus.soft import triton as soft_triton
 from model.attention.focus.soft.cpu import cpu_soft_attention, soft_dtypes
 from model.attention.focus.soft.flex import flex_soft_attention
@@ -45,36 +47,88 @@ def assign_scores(s: Tensor, cfg: FocusConfig) -> Tensor:
     if cfg.assignment == "softmax":
         return torch.softmax(s, dim=-1)
     if cfg.sinkhorn_scope == "prefix":
-        return sinkhorn_prefix(s, cfg.sinkhorn_iters)[0]
+        return prefix_assignments(s, cfg.sinkhorn_iters)
     return sinkhorn_sequence(s, cfg.sinkhorn_iters)
 
 
+def centroid_scores(projected: Tensor, centroids: Tensor, tau: float) -> Tensor:
+    """Group scores (h W_g) C^T / tau [B, T, K] from the projected hidden states, in float32 at least and with
+    autocast off: autocast would run the product (and so the Sinkhorn after it) in bf16 (issue 48). The projection
+    itself stays in the autocast dtype (d_model x d_group, the costly one); this product is d_group x K."""
+    dtype = torch.float64 if projected.dtype == torch.float64 else torch.float32
+    with torch.autocast(projected.device.type, enabled=False):
+        return (projected.to(dtype) @ centroids.to(dtype).T) / tau
+
+
 def hard_inference(
-    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float
-) -> Tensor:
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float,
+    band: tuple[Tensor, Tensor] | None = None,
+) -> Tensor:  # fmt: skip
     """The whole hard-mode forward of a sequence on the GPU path (group scores, assignments, memberships, the two
     FlexAttention calls and their merge): what ``FocusAttention`` compiles as one graph for inference on CUDA
     (``hard_inference_fn``). The same operations as the module's eager path (``group_scores``, ``assign_whole``,
-    ``membership_bits``, ``flex_hard_attention``)."""
-    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    s = (F.linear(hidden, w_g).to(dtype) @ centroids.to(dtype).T) / cfg.tau
+    ``membership_bits``, ``flex_hard_attention``). ``band``: the band call's shape-only block structure, built and
+    cached outside the graph (``hard_band``); None = built inside it."""
+    s = centroid_scores(F.linear(hidden, w_g), centroids, cfg.tau)
     bits = membership_bits(assign_scores(s, cfg), cfg.top_k)
     return flex_hard_attention(
         q, k, v, bits_q=bits, bits_k=bits, window=cfg.window, scale=scale, n_groups=cfg.n_groups, top_k=cfg.top_k,
-        compiled=True,
+        compiled=True, band=band,
     )  # fmt: skip
 
 
+def hard_band(length: int, window: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The band call's block structure of a whole sequence, built once per shape and passed into the compiled graph
+    (inside it: seven operations per layer). Its block-count dimensions are marked dynamic: duck sizing would
+    otherwise give a count equal to the batch or head count their symbol, and recompile at the next length."""
+
+    def build() -> tuple[Tensor, Tensor]:
+        num, idx = band_block_mask_tensors(length, length, window, device=device)
+        torch._dynamo.maybe_mark_dynamic(num, 2)
+        torch._dynamo.maybe_mark_dynamic(idx, 2)
+        torch._dynamo.maybe_mark_dynamic(idx, 3)
+        return num, idx
+
+    return cached_structure(("focus_band_tensors", length, window, str(device)), build)
+
+
 _HARD_INFERENCE: list[Callable[..., Tensor]] = []
+_HARD_INFERENCE_GRAPHED: dict[int, Callable[..., Tensor]] = {}
+# fixed-length buckets (the evaluation and benchmark lengths) that get a static-shape CUDA-graph compile on CUDA
+CUDA_GRAPH_LENGTHS = frozenset(1 << n for n in range(10, 18))  # 1024 .. 131072
 
 
-def hard_inference_fn() -> Callable[..., Tensor]:
+def hard_inference_fn(length: int | None = None, cuda: bool = False) -> Callable[..., Tensor]:
     """``hard_inference`` compiled once (dynamic shapes; every layer and length shares the graph: its guards are the
     configuration's values and the tensors' dtypes). Inside, ``flex_attention_fn`` sees the trace and returns plain
-    FlexAttention, which inductor compiles into the same graph. The CPU tests trace it with ``fullgraph=True``."""
+    FlexAttention, which inductor compiles into the same graph. The CPU tests trace it with ``fullgraph=True``.
+
+    On CUDA a length in ``CUDA_GRAPH_LENGTHS`` gets its own static-shape compile with ``mode="reduce-overhead"``
+    (CUDA graphs: one replay instead of some 70 kernel launches from the dynamic wrapper; each its own code object,
+    so the buckets do not share dynamo's per-code recompile budget). Its output lives in the graph's memory, which
+    the next replay overwrites: ``run_hard_inference`` copies it out."""
+    if cuda and length in CUDA_GRAPH_LENGTHS:
+        fn = _HARD_INFERENCE_GRAPHED.get(length)
+        if fn is None:
+            code = hard_inference.__code__.replace(co_name=f"hard_inference_{length}")
+            copy = types.FunctionType(code, hard_inference.__globals__, f"hard_inference_{length}")
+            fn = _HARD_INFERENCE_GRAPHED[length] = torch.compile(copy, mode="reduce-overhead", dynamic=False)
+        return fn
     if not _HARD_INFERENCE:
         _HARD_INFERENCE.append(torch.compile(hard_inference, dynamic=True))
     return _HARD_INFERENCE[0]
+
+
+def run_hard_inference(
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor, w_g: Tensor, centroids: Tensor, cfg: FocusConfig, scale: float
+) -> Tensor:
+    """``hard_inference`` of a whole sequence through ``hard_inference_fn`` (the length's compile)."""
+    t = q.shape[2]
+    graphed = q.is_cuda and t in CUDA_GRAPH_LENGTHS
+    # a static (CUDA-graph) compile builds the band in its graph from constant shapes; the dynamic one takes it in
+    band = None if graphed else hard_band(t, cfg.window, q.device)
+    out = hard_inference_fn(t, q.is_cuda)(q, k, v, hidden, w_g, centroids, cfg, scale, band)
+    return out.clone() if graphed else out
 
 
 _DECODE_STEP: list[Callable[..., Tensor]] = []
@@ -112,8 +166,9 @@ class FocusAttention(Attention):
 
     @classmethod
     def attention_ops(cls) -> tuple[Any, ...]:
-        """The soft mode's fused Triton forward too: selective activation checkpointing keeps its outputs."""
-        return (*super().attention_ops(), torch.ops.focus_triton.soft_forward.default)
+        """The soft mode's fused Triton forward and the prefix Sinkhorn op too: selective activation checkpointing
+        keeps their outputs (the Sinkhorn's saved state: the backward runs no forward scan again)."""
+        return (*super().attention_ops(), torch.ops.focus_triton.soft_forward.default, PREFIX_OP)
 
     def __init__(self, cfg: FocusConfig, spec: LayerSpec):
         super().__init__(cfg, spec)
@@ -176,13 +231,15 @@ class FocusAttention(Attention):
             # decoding: one map through (C W_g) / tau, folded once per cache (the weights do not change while one
             # cache decodes), as a product and a sum (three operations; a batched matmul here takes seven)
             return (hidden.to(dtype).unsqueeze(2) * self._fold(cache, dtype)).sum(-1)  # [B, 1, 1, d] x [K, d]
-        return (self.w_g(hidden).to(dtype) @ self.centroids.to(dtype).T) / self.cfg.tau
+        return centroid_scores(self.w_g(hidden), self.centroids, self.cfg.tau)
 
     def _fold(self, cache: KVCache, dtype: torch.dtype) -> Tensor:
         """(C W_g) / tau [K, d_model], folded once per cache (the weights do not change while one cache decodes)."""
         fold = cache.extra.get("focus_fold")
         if fold is None or fold.dtype != dtype:
-            fold = cache.extra["focus_fold"] = (self.centroids.to(dtype) @ self.w_g.weight.to(dtype)) / self.cfg.tau
+            with torch.autocast(self.centroids.device.type, enabled=False):  # else a bf16 fold (and one per call)
+                fold = (self.centroids.to(dtype) @ self.w_g.weight.to(dtype)) / self.cfg.tau
+            cache.extra["focus_fold"] = fold
         return fold
 
     def assignments(self, hidden: Tensor, cache: KVCache | None) -> tuple[Tensor, Tensor]:
@@ -298,7 +355,7 @@ class FocusAttention(Attention):
             torch._assert_async(
                 (q_pos[-1] == q.shape[2] - 1) & (q_pos[0] == 0), "focus hard: positions must be 0 .. T - 1"
             )
-            out = hard_inference_fn()(q, k, v, hidden, self.w_g.weight, self.centroids, self.cfg, self._scale())
+            out = run_hard_inference(q, k, v, hidden, self.w_g.weight, self.centroids, self.cfg, self._scale())
             return AttnOut(out)  # what ``_out`` returns in plain inference (``_hard_whole_graph``)
         g_q, g_k = self.assignments(hidden, cache)
         return self.fast_assigned(q, k, v, g_q, g_k, q_pos=q_pos, k_pos=k_pos, cache=cache)

@@ -5,25 +5,74 @@ from group counts and cached (see ``hard/cpu.py``'s docstring).
 from __future__ import annotations
 
 import copy
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from model.attention.common.flex import cached_block_mask, flex_attention_fn
-from model.attention.focus.hard.rows import NEG_INF
 
 # ---- GPU: two FlexAttention calls -----------------------------------------------------------------------------------
 FLEX_BLOCK = 128
 
 
-def _group_layout(bits: Tensor, n_groups: int, top_k: int) -> tuple[Tensor, Tensor]:
-    """Slots sorted by (group, position): (token index [B, N], group [B, N]), N = top_k * T for every sequence
-    (every token is in exactly top_k groups): a stable sort puts the members first, in (group, position) order,
-    with no ``nonzero`` (its size would be read on the host)."""
+class GroupLayout(NamedTuple):
+    """Slots sorted by (group, position), N = top_k * T of them for every sequence (every token is in exactly top_k
+    groups): ``tok`` [B, N] each slot's token, ``grp`` [B, N] its group, ``starts`` [B, K] each group's first slot,
+    ``dest`` [B, K, T] the slot of (group, token), N where the token is not in the group."""
+
+    tok: Tensor
+    grp: Tensor
+    starts: Tensor
+    dest: Tensor
+
+
+def group_layout(bits: Tensor, n_groups: int, top_k: int) -> GroupLayout:
+    """The slot layout by one counting sort over the K groups (no comparison sort, no ``nonzero``, whose size the
+    host would read): the memberships laid out group-major [B, K, T], whose exclusive running count is each member's
+    slot (the members of the earlier groups, then its rank in its own group: histogram, exclusive scan and rank in
+    one scan), then a stable scatter of every member to its slot."""
     t = bits.shape[1]
-    member = ((bits[:, None, :] >> torch.arange(n_groups, device=bits.device)[None, :, None]) & 1).bool()  # [B, K, T]
-    slot = torch.argsort((~member).flatten(1).to(torch.uint8), dim=1, stable=True)[:, : top_k * t]  # c * T + t
-    return slot % t, slot // t
+    n = top_k * t
+    member = (bits[:, None, :] >> torch.arange(n_groups, device=bits.device)[:, None]) & 1  # [B, K, T]
+    before = torch.cumsum(member.flatten(1), 1).view_as(member) - member  # members before (group, position)
+    dest = torch.where(member == 1, before, n)  # non-members to one slot past the end
+    source = torch.arange(n_groups * t, device=bits.device).expand(bits.shape[0], -1)  # group * T + token
+    slot = bits.new_empty(bits.shape[0], n + 1).scatter_(1, dest.flatten(1), source)[:, :n]
+    return GroupLayout(slot % t, slot // t, before[:, :, 0], dest)
+
+
+def _group_layout(bits: Tensor, n_groups: int, top_k: int) -> tuple[Tensor, Tensor]:
+    """(token [B, N], group [B, N]) of the slots (``group_layout``)."""
+    layout = group_layout(bits, n_groups, top_k)
+    return layout.tok, layout.grp
+
+
+def self_block_mask_tensors(
+    layout: GroupLayout, *, full_ok: bool, block: int = FLEX_BLOCK
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    """``group_block_mask_tensors`` of a whole sequence against itself (the query slots are the key slots): slot j
+    attends the slots [start of its group, j], packed causal segments. Query block qb's key blocks run from the block
+    of its first slot's group start to qb itself (every block between holds an allowed pair); those before qb from
+    the block after its last slot's group start on are full (one group there, causally complete), for k = 1. From
+    the group starts of two slots per block: some 20 operations on [B, nb] and [B, nb, nb], in int32 (as FlexAttention
+    takes them) from the first."""
+    bsz, n = layout.grp.shape
+    nb = (n + block - 1) // block
+    qb = torch.arange(nb, device=layout.grp.device, dtype=torch.int32)
+    first = qb * block
+    ends = torch.stack([first, torch.clamp(first + (block - 1), max=n - 1)])  # the first and last slot of each block
+    start = layout.starts.gather(1, layout.grp[:, ends.flatten()]).int().view(bsz, 2, nb)  # their groups' starts
+    lo = start[:, 0] // block
+    f_lo = torch.minimum((start[:, 1] + (block - 1)) // block, qb) if full_ok else qb.expand(bsz, nb)
+    before = f_lo - lo  # partial blocks [lo, f_lo), then qb
+    r = qb[None, None, :]
+    partial_idx = torch.where(r < before[..., None], lo[..., None] + r, qb[None, :, None])[:, None]
+    num = (before + 1)[:, None]
+    if not full_ok:
+        return num, partial_idx, None, None
+    full_idx = torch.clamp(f_lo[..., None] + r, max=nb - 1)[:, None]
+    return num, partial_idx, (qb - f_lo)[:, None], full_idx
 
 
 def group_block_mask_tensors(
@@ -122,40 +171,70 @@ def band_block_mask_tensors(
     return n[None, None].int(), idx[None, None].int()
 
 
+def whole_band_block_mask_tensors(
+    t: int, window: int, *, device: torch.device, block: int = FLEX_BLOCK
+) -> tuple[Tensor, Tensor]:
+    """``band_block_mask_tensors(t, t, window)`` of a whole sequence, in seven int32 operations (what a compiled
+    graph builds when no caller passed the structure in: the cache cannot serve it there). Query
+    block qb reads key blocks qb - ceil((window - 1) / block) (at least 0) to qb; entries past the count repeat qb
+    (FlexAttention reads only the first ``count``)."""
+    qb = torch.arange((t + block - 1) // block, device=device, dtype=torch.int32)
+    lo = torch.clamp(qb - (window - 2 + block) // block, min=0)
+    idx = torch.minimum(lo[:, None] + qb[None, :], qb[:, None])
+    return (qb - lo + 1)[None, None], idx[None, None]
+
+
 def flex_hard_attention(
     q: Tensor, k: Tensor, v: Tensor, *, bits_q: Tensor, bits_k: Tensor, window: int, scale: float, n_groups: int,
-    top_k: int, compiled: bool,
+    top_k: int, compiled: bool, band: tuple[Tensor, Tensor] | None = None,
 ) -> Tensor:  # fmt: skip
     """Exact hard-mode attention as two FlexAttention calls (group-sorted same-group part, cross-group band), merged
-    by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests."""
+    by logsumexp. Compiled on CUDA; eager (a dense math fallback that ignores block sparsity) in CPU tests.
+
+    ``band``: the band's shape-only block structure (``band_block_mask_tensors``) from the caller, built outside a
+    compiled graph (``module.run_hard_inference``); None = cached per shape here where nothing traces, and built in
+    seven small operations inside a compiled graph of a whole sequence (``whole_band_block_mask_tensors``). Without
+    autograd only the key-side block lists are built (``compute_q_blocks=False``: the backward's query-side transposes
+    are three sorts and some 45 operations that inference never reads)."""
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask
 
     bsz, h, tq, d = q.shape
     tk = k.shape[2]
     start = tk - tq
     gqa = k.shape[1] != h
+    backward = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     # ---- same group, lowest shared group, causal on original positions, over group-sorted slots ----
-    tok_q, grp_q = _group_layout(bits_q, n_groups, top_k)
-    tok_k, grp_k = _group_layout(bits_k, n_groups, top_k)
-    pos_q, pos_k = tok_q + start, tok_k
-    sbits_q, sbits_k = bits_q.gather(1, tok_q), bits_k.gather(1, tok_k)
+    whole = bits_q is bits_k and start == 0  # one sequence against itself: one layout, packed causal segments
+    lay_q = group_layout(bits_q, n_groups, top_k)
+    lay_k = lay_q if whole else group_layout(bits_k, n_groups, top_k)
+    tok_q, grp_q, tok_k, grp_k = lay_q.tok, lay_q.grp, lay_k.tok, lay_k.grp
+    pos_q, pos_k = (tok_q, tok_k) if whole else (tok_q + start, tok_k)
+    sbits_q = bits_q.gather(1, tok_q)
+    sbits_k = sbits_q if whole else bits_k.gather(1, tok_k)
     lower_q = (torch.ones_like(grp_q) << grp_q) - 1  # groups below the slot's group
     q_s = q.gather(2, tok_q[:, None, :, None].expand(bsz, h, -1, d))
     k_s = k.gather(2, tok_k[:, None, :, None].expand(bsz, k.shape[1], -1, d))
     v_s = v.gather(2, tok_k[:, None, :, None].expand(bsz, v.shape[1], -1, d))
 
     def same_group(b: Tensor, hh: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
-        keep = (grp_q[b, qi] == grp_k[b, kv]) & (pos_k[b, kv] <= pos_q[b, qi])
+        if whole:  # slot order is position order inside a group
+            keep = (grp_q[b, qi] == grp_k[b, kv]) & (kv <= qi)
+        else:
+            keep = (grp_q[b, qi] == grp_k[b, kv]) & (pos_k[b, kv] <= pos_q[b, qi])
         if top_k > 1:
             keep = keep & ((sbits_q[b, qi] & sbits_k[b, kv] & lower_q[b, qi]) == 0)
         return keep
 
-    kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
-        grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=tk, full_ok=top_k == 1
-    )
+    if whole:
+        kvn, kvi, fkvn, fkvi = self_block_mask_tensors(lay_q, full_ok=top_k == 1)
+    else:
+        kvn, kvi, fkvn, fkvi = group_block_mask_tensors(
+            grp_q, pos_q, grp_k, pos_k, n_groups=n_groups, n_positions=tk, full_ok=top_k == 1
+        )
     group_mask = BlockMask.from_kv_blocks(
-        kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1])
-    )
+        kvn, kvi, fkvn, fkvi, BLOCK_SIZE=FLEX_BLOCK, mask_mod=same_group, seq_lengths=(tok_q.shape[1], tok_k.shape[1]),
+        compute_q_blocks=backward,
+    )  # fmt: skip
     # one block of slots: eager (a dense 128 x 128 problem at most); inductor (torch 2.11) finds no kernel config
     # for some of these shapes with top_k > 1 (74 slots failed, 37 and 600 compiled)
     one_block = tok_q.shape[1] <= FLEX_BLOCK and tok_k.shape[1] <= FLEX_BLOCK
@@ -166,55 +245,56 @@ def flex_hard_attention(
     cdt = torch.promote_types(q.dtype, torch.float32)
     if top_k == 1:
         # each query has one slot: the slot order is a permutation of the tokens, undone by a gather with its inverse
-        inv = torch.empty_like(tok_q).scatter_(1, tok_q, torch.arange(tq, device=q.device).expand(bsz, tq))
+        # (the counting sort's destination of each token's one group: the other groups hold N, past every slot)
+        inv = lay_q.dest.amin(1)
         o_a = o_s.gather(2, inv[:, None, :, None].expand(bsz, h, tq, d))
         lse_a = aux.lse.gather(2, inv[:, None, :].expand(bsz, h, tq)).to(cdt)
     else:
-        o_a, lse_a = _merge_slots(o_s, aux.lse, tok_q, tq, cdt)
+        o_a, lse_a = _merge_slots(o_s, aux.lse, lay_q.dest, top_k, cdt)
     del o_s, aux
 
     # ---- cross-group band: causal, i - j < window, no shared group, original order ----
-    q_pos = torch.arange(start, tk, device=q.device)
-
-    def band(b: Tensor, hh: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
-        dist = q_pos[qi] - kv
+    def band_mod(b: Tensor, hh: Tensor, qi: Tensor, kv: Tensor) -> Tensor:
+        dist = qi - kv if start == 0 else qi + start - kv
         return (dist >= 0) & (dist < window) & ((bits_q[b, qi] & bits_k[b, kv]) == 0)
 
-    structure = cached_block_mask(
-        ("focus_band", tq, tk, window, str(q.device)),
-        lambda: BlockMask.from_kv_blocks(
-            *band_block_mask_tensors(tq, tk, window, device=q.device),
-            BLOCK_SIZE=FLEX_BLOCK,
-            seq_lengths=(tq, tk),
-        ),
-    )
-    band_mask = copy.copy(structure)
-    band_mask.mask_mod = band  # the cached structure, this layer's memberships
+    if band is None and whole and torch.compiler.is_compiling():
+        band = whole_band_block_mask_tensors(tk, window, device=q.device)
+    if band is not None:
+        band_mask = BlockMask.from_kv_blocks(
+            *band, BLOCK_SIZE=FLEX_BLOCK, mask_mod=band_mod, seq_lengths=(tq, tk), compute_q_blocks=backward
+        )
+    else:
+        structure = cached_block_mask(
+            ("focus_band", tq, tk, window, str(q.device)),
+            lambda: BlockMask.from_kv_blocks(
+                *band_block_mask_tensors(tq, tk, window, device=q.device),
+                BLOCK_SIZE=FLEX_BLOCK,
+                seq_lengths=(tq, tk),
+            ),
+        )
+        band_mask = copy.copy(structure)
+        band_mask.mask_mod = band_mod  # the cached structure, this layer's memberships
     o_b, aux = flex_attention_fn(compiled, "focus_band")(
         q, k, v, block_mask=band_mask, scale=scale, enable_gqa=gqa, return_aux=AuxRequest(lse=True)
     )
-    lse_b = aux.lse.to(cdt)
-    lse = torch.logaddexp(lse_a, lse_b)
-    out = o_a.to(cdt) * torch.exp(lse_a - lse)[..., None] + o_b.to(cdt) * torch.exp(lse_b - lse)[..., None]
+    # the merge: weights exp(lse_a - lse) = sigmoid(lse_a - lse_b) and 1 - it (lse_a is finite: a query shares its
+    # groups with itself; a query with no band key has lse_b = -inf, o_b = 0: weight 1 on its group part)
+    o_b = o_b.to(cdt)
+    out = o_b + (o_a.to(cdt) - o_b) * torch.sigmoid(lse_a - aux.lse.to(cdt))[..., None]
     return out.to(q.dtype)
 
 
-def _merge_slots(o_s: Tensor, lse_s: Tensor, tok_q: Tensor, tq: int, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
+def _merge_slots(o_s: Tensor, lse_s: Tensor, dest: Tensor, top_k: int, cdt: torch.dtype) -> tuple[Tensor, Tensor]:
     """top_k > 1: each token's top_k slots (outputs [B, H, N, D], logsumexps [B, H, N]) merged by logsumexp into
-    [B, H, tq, D] (in ``cdt``) and [B, H, tq]: a scatter-max of the logsumexps, then scatter-adds of the weights and
-    the weighted outputs."""
+    [B, H, tq, D] (in ``cdt``) and [B, H, tq]. A token's slots are the top_k smallest of its counting-sort
+    destinations ``dest`` [B, K, tq] (the other groups hold N): gathered, no scatter. Its first group's slot sees the
+    token itself, so the merged logsumexp is finite (a later slot may see no key: lse -inf, weight 0)."""
     bsz, h, _, d = o_s.shape
-    lse_s = lse_s.to(cdt)
-    idx = tok_q[:, None, :].expand(bsz, h, -1)
-    lse_a = torch.full((bsz, h, tq), NEG_INF, dtype=cdt, device=o_s.device).scatter_reduce(
-        2, idx, lse_s, "amax", include_self=True
-    )
-    ref_a = lse_a.masked_fill(lse_a == NEG_INF, 0.0)
-    w_s = torch.exp(lse_s - ref_a.gather(2, idx))
-    sum_a = torch.zeros_like(lse_a).scatter_add(2, idx, w_s)
-    o_a = torch.zeros(bsz, h, tq, d, dtype=cdt, device=o_s.device).scatter_add(
-        2, idx[..., None].expand(-1, -1, -1, d), o_s.to(cdt) * w_s[..., None]
-    )
-    o_a = o_a / sum_a.clamp_min(torch.finfo(cdt).tiny)[..., None]
-    lse_a = torch.where(sum_a > 0, torch.log(sum_a.clamp_min(torch.finfo(cdt).tiny)) + ref_a, lse_a)
-    return o_a, lse_a
+    tq = dest.shape[2]
+    idx = torch.topk(dest, top_k, dim=1, largest=False).values.transpose(1, 2).flatten(1)  # [B, tq * top_k]
+    lse = lse_s.to(cdt).gather(2, idx[:, None].expand(bsz, h, -1)).view(bsz, h, tq, top_k)
+    lse_a = torch.logsumexp(lse, -1)
+    weight = torch.exp(lse - lse_a[..., None])
+    o = o_s.gather(2, idx[:, None, :, None].expand(bsz, h, -1, d)).view(bsz, h, tq, top_k, d)
+    return (o.to(cdt) * weight[..., None]).sum(-2), lse_a
