@@ -869,18 +869,37 @@ ATTACKS_41_CHECKPOINTS = [
 ]
 
 
-def test_issue_41_checkpoint_rows_each_name_a_test_that_exists():
-    """Every checkpoint row of issue 41's table and each of its must-hold lines about them has a case; each case
-    names a test (``path::function[param]``) whose file defines the function and holds the parameter id."""
-    assert len({a.id for a in ATTACKS_41_CHECKPOINTS}) == len(ATTACKS_41_CHECKPOINTS), "case ids are unique"
-    assert {a.row for a in ATTACKS_41_CHECKPOINTS} == set(TABLE_41_CHECKPOINTS + MUST_HOLD_41_CHECKPOINTS)
-    assert not {a.id for a in ATTACKS_41_CHECKPOINTS} & {a.id for a in ATTACKS}, "ids unique across the issues"
-    for a in ATTACKS_41_CHECKPOINTS:
+def check_cases(
+    attacks: list[Attack], rows: tuple[str, ...], *, ids_of_rows: dict[str, set[str]] | None = None
+) -> None:
+    """A table's cases: unique ids (across every table of the module), exactly ``rows`` covered, and each naming a
+    test (``path::function[param]``) whose file defines the function and holds the parameter id as a string (each
+    ``-``-joined part of it for an id made of several parametrize values), or, for a file whose ids are built at run
+    time, an id in ``ids_of_rows[path]``."""
+    assert len({a.id for a in attacks}) == len(attacks), "case ids are unique"
+    assert {a.row for a in attacks} == set(rows)
+    others = [a for a in all_cases() if a not in attacks]
+    assert not {a.id for a in attacks} & {a.id for a in others}, "ids unique across the issues"
+    for a in attacks:
         path, _, rest = a.test.partition("::")
         name, _, param = rest.partition("[")
         text = (REPO / path).read_text()
         assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
-        assert not param or f'"{param.rstrip("]")}"' in text, a
+        param = param.rstrip("]")
+        if ids_of_rows and path in ids_of_rows:
+            assert not param or param in ids_of_rows[path], a
+        else:
+            assert not param or f'"{param}"' in text or all(f'"{x}"' in text for x in param.split("-") if x), a
+
+
+def all_cases() -> list[Attack]:  # read when a check runs: every table of the module is defined by then
+    return [*ATTACKS, *ATTACKS_41_CHECKPOINTS, *ATTACKS_50_USER, *ATTACKS_50_ABUSE, *ATTACKS_50_TP]
+
+
+def test_issue_41_checkpoint_rows_each_name_a_test_that_exists():
+    """Every checkpoint row of issue 41's table and each of its must-hold lines about them has a case; each case
+    names a test (``path::function[param]``) whose file defines the function and holds the parameter id."""
+    check_cases(ATTACKS_41_CHECKPOINTS, TABLE_41_CHECKPOINTS + MUST_HOLD_41_CHECKPOINTS)
 
 
 # ---- issue 50: what a new user trips on, and the profiler ---------------------------------------------------
@@ -994,15 +1013,7 @@ ATTACKS_50_USER = [
 def test_issue_50_user_rows_each_name_a_test_that_exists():
     """Every row of issue 50's new-user table (but its tp=2 row) and its profiler paragraph has a case; each case
     names a test whose file defines the function and holds the parameter id."""
-    assert len({a.id for a in ATTACKS_50_USER}) == len(ATTACKS_50_USER), "case ids are unique"
-    assert {a.row for a in ATTACKS_50_USER} == set(TABLE_50_USER)
-    assert not {a.id for a in ATTACKS_50_USER} & {a.id for a in ATTACKS + ATTACKS_41_CHECKPOINTS}
-    for a in ATTACKS_50_USER:
-        path, _, rest = a.test.partition("::")
-        name, _, param = rest.partition("[")
-        text = (REPO / path).read_text()
-        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
-        assert not param or f'"{param.rstrip("]")}"' in text, a
+    check_cases(ATTACKS_50_USER, TABLE_50_USER)
 
 
 # ---- issue 50: results silently wrong, hangs, tracebacks after the work was done ------------------------------
@@ -1101,19 +1112,10 @@ ATTACKS_50_ABUSE = [
 def test_issue_50_abuse_rows_each_name_a_test_that_exists():
     """Every row of issue 50's "silently wrong", "hangs" and "tracebacks after the work" sections has a case; each
     case names a test (``path::function[param]``) whose file defines the function and holds the parameter id."""
-    assert len({a.id for a in ATTACKS_50_ABUSE}) == len(ATTACKS_50_ABUSE), "case ids are unique"
-    assert {a.row for a in ATTACKS_50_ABUSE} == set(TABLE_50_ABUSE)
-    assert not {a.id for a in ATTACKS_50_ABUSE} & {a.id for a in ATTACKS + ATTACKS_41_CHECKPOINTS}, "unique ids"
     from tests import test_reliability as table  # its rows' ids are built there ("{name}-other-tokenizer")
 
     rows = {c.id for c in table.CASES + table.TRAINER_CASES + table.ISSUE_50_CASES}
-    for a in ATTACKS_50_ABUSE:
-        path, _, rest = a.test.partition("::")
-        name, _, param = rest.partition("[")
-        text = (REPO / path).read_text()
-        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
-        param = param.rstrip("]")
-        assert not param or (param in rows if path == "tests/test_reliability.py" else f'"{param}"' in text), a
+    check_cases(ATTACKS_50_ABUSE, TABLE_50_ABUSE, ids_of_rows={"tests/test_reliability.py": rows})
 
 
 # ---- issue 50: the tp=2 console (torch's per-rank warnings, FSDP2's view-tensor warning, the layout line) ------
@@ -1142,12 +1144,4 @@ ATTACKS_50_TP = [
 def test_issue_50_tp_row_names_tests_that_exist():
     """The tensor-parallel row of issue 50 has its cases; each names a test (``path::function[param]``) whose file
     defines the function and holds each part of the parameter id (``-`` joins a parametrize's values) as a string."""
-    assert len({a.id for a in ATTACKS_50_TP}) == len(ATTACKS_50_TP), "case ids are unique"
-    assert {a.row for a in ATTACKS_50_TP} == set(TABLE_50_TP)
-    assert not {a.id for a in ATTACKS_50_TP} & {a.id for a in ATTACKS + ATTACKS_41_CHECKPOINTS}, "ids unique"
-    for a in ATTACKS_50_TP:
-        path, _, rest = a.test.partition("::")
-        name, _, param = rest.partition("[")
-        text = (REPO / path).read_text()
-        assert name in {n.name for n in ast.walk(ast.parse(text)) if isinstance(n, ast.FunctionDef)}, a
-        assert all(f'"{part}"' in text for part in param.rstrip("]").split("-") if part), a
+    check_cases(ATTACKS_50_TP, TABLE_50_TP)
