@@ -19,11 +19,6 @@ in a child pytest over this file with ``TRITON_INTERPRET=1``; run directly with 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Callable
-
 import pytest
 import torch
 
@@ -34,44 +29,23 @@ from model.attention.focus.hard.decode_device import device_decode_step
 from model.attention.focus.hard.decode_pages import PAGE, build_pages, merge, token_groups, torch_partials
 from model.attention.focus.naive import membership_bits
 from tests.attention.focus.test_decode_device import SPEC, TOL, _decode, _module
+from tests.attention.interpreter import interpreted, parent, run_child
 from tests.attention.lazy.test_triton import numpy_scalars  # noqa: F401  (autouse: the interpreter's int(array))
 from tests.attention.test_suite import random_inputs
-from tests.conftest import REPO
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
-    """A test of the child pytest only (a module attribute of None is not collected: no skip in the parent)."""
-    return test if INTERPRETED else None
-
-
-def parent(test: Callable[..., None]) -> Callable[..., None] | None:
-    return None if INTERPRETED else test
-
-
-def run_child(marker: str) -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", marker, __file__]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    last = result.stdout.splitlines()[-1]
-    assert " passed" in last and " skipped" not in last, result.stdout[-5000:]
 
 
 @parent
 def test_kernel_under_the_interpreter():
     """This file's fast tests, in a child pytest with ``TRITON_INTERPRET=1`` set before triton loads (~35 s on 2
     cores: the interpreter runs ~0.3 s per decode step)."""
-    run_child("not slow")
+    run_child(__file__, "not slow")
 
 
 @parent
 @pytest.mark.slow  # ~40 s on 2 cores
 def test_kernel_under_the_interpreter_slow():
     """This file's slow interpreted tests (top_k = 1 decode, the step with the kernel under torch.compile)."""
-    run_child("slow")
+    run_child(__file__, "slow")
 
 
 def _step_inputs(b, hq, hkv, cap, dim, n_groups, top_k, lengths, window, *, bits=None, seed=0):

@@ -7,29 +7,12 @@ that is not a power of two.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from collections.abc import Callable
-
-import pytest
 import torch
 
 from model.attention.focus import sinkhorn_op
 from model.attention.focus.sinkhorn import sinkhorn_prefix
 from model.attention.focus.sinkhorn_op import prefix_assignments
-from tests.conftest import REPO
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
-    return test if INTERPRETED else None
-
-
-def parent(test: Callable[..., None]) -> Callable[..., None] | None:
-    return None if INTERPRETED else test
-
+from tests.attention.interpreter import interpreted, parent, run_child
 
 SHAPES = [(2, 37, 4), (1, 50, 8), (3, 16, 3)]  # under the interpreter: 3, 4 and 1 tiles of 16 positions
 
@@ -121,13 +104,7 @@ def test_selective_checkpointing_keeps_the_op_and_its_state():
 
 @parent
 def test_kernels_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    last = result.stdout.splitlines()[-1]
-    assert " passed" in last and " skipped" not in last, result.stdout[-5000:]
+    run_child(__file__, timeout=600)
 
 
 @interpreted
