@@ -34,20 +34,24 @@ ops ``lazy_triton::forward`` / ``lazy_triton::backward`` so a compiled block tra
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from model.attention.common.triton import (
+    TileConfig,
     acc_dtype,
-    interpreting,
+    capability,
+    family_tiles,
     jit_kernels,
     last_contiguous,
+    launch_tiles,
     padded,
     precision,
     strides,
-    warps,
 )
 from model.attention.common.triton import available as available  # the module's own question too
 
@@ -59,8 +63,7 @@ else:
     except ImportError:  # the product imports without triton; available() is then False
         tl = None
 
-BLOCK = 64  # positions per query / key block on the GPU
-INTERPRET_BLOCK = 16  # under TRITON_INTERPRET (tests): small tiles keep the interpreter fast
+R = TypeVar("R")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -291,6 +294,20 @@ def _kernels() -> dict[str, Any]:
     return jit_kernels(globals(), _HELPERS + _LAUNCHED, _KERNELS)
 
 
+def tile_configs(kernel: str, capability: tuple[int, int] | None, bd: int, dtype: torch.dtype) -> list[TileConfig]:
+    """Launch candidates of ``kernel`` (one of ``_LAUNCHED``) on ``capability`` (None: the interpreter), best first.
+    The kernels take one BLOCK for query and key tiles (block_m == block_n)."""
+    return family_tiles(capability, bd, dtype)
+
+
+def _launch(name: str, q: Tensor, bd: int, block: int, launch: Callable[[TileConfig], R]) -> R:
+    """``launch`` with the selected tile configuration (``block`` > 0: that tile size, the tests)."""
+    configs = tile_configs(name, capability(q.device), bd, q.dtype)
+    if block:
+        configs = list(dict.fromkeys(dataclasses.replace(c, block_m=block, block_n=block) for c in configs))
+    return launch_tiles(f"lazy.{name}", q.device, bd, q.dtype, configs, launch)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # launches, as custom ops
 
@@ -310,16 +327,21 @@ def _forward_op(
     """(out, lse, a) in the accumulator dtype; out and a are [B, H, Tq, D], lse [B, H, Tq]."""
     q, k, v, bias = (last_contiguous(x) for x in (q, k, v, bias))
     batch, hq, tq, dim = q.shape
-    p, n_rows, _, bd, group = _geometry(q, k, block)
     acc = acc_dtype(q)
     out = torch.empty(batch, hq, tq, dim, dtype=acc, device=q.device)
     a = torch.empty_like(out)
     lse = torch.empty(batch, hq, tq, dtype=acc, device=q.device)
-    _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
-        q, k, v, bias, tau, out, lse, a, *strides(q, k, v), bias.stride(0),
-        scale, p, tq, k.shape[2], last, hq, group, dim,
-        BLOCK=block, BD=bd, PREC=precision(q), num_warps=warps(bd),
-    )  # fmt: skip
+    bd = padded(dim)
+
+    def launch(tiles: TileConfig) -> None:
+        p, n_rows, _, _, group = _geometry(q, k, tiles.block_m)
+        _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
+            q, k, v, bias, tau, out, lse, a, *strides(q, k, v), bias.stride(0),
+            scale, p, tq, k.shape[2], last, hq, group, dim,
+            BLOCK=tiles.block_m, BD=bd, PREC=precision(q), **tiles.options(),
+        )  # fmt: skip
+
+    _launch("_fwd_kernel", q, bd, block, launch)
     return out, lse, a
 
 
@@ -337,7 +359,7 @@ def _backward_op(
     """dq, dk, dv, d bias, d tau."""
     q, k, v, bias = (last_contiguous(x) for x in (q, k, v, bias))
     batch, hq, tq, dim = q.shape
-    p, n_rows, n_keys, bd, group = _geometry(q, k, block)
+    p, bd, group = k.shape[2] - tq, padded(dim), hq // k.shape[1]
     acc = acc_dtype(q)
     do = grad.to(acc).contiguous()
     n = torch.arange(p + 1, p + tq + 1, device=q.device, dtype=acc)
@@ -347,16 +369,36 @@ def _backward_op(
     dq = torch.empty(q.shape, dtype=acc, device=q.device)
     dk = torch.empty(k.shape, dtype=acc, device=q.device)
     dv = torch.empty(v.shape, dtype=acc, device=q.device)
-    n_diag = -(-(p + tq) // block)  # block diagonals e = I - J with a visible pair
-    partials = torch.empty(hq, n_diag, block, block, dtype=acc, device=q.device)
     common = (*strides(q, k, v), bias.stride(0), scale, p, tq, k.shape[2], last, hq, group, dim)
-    meta = dict(BLOCK=block, BD=bd, PREC=precision(q), num_warps=warps(bd))
     kernels = _kernels()
-    kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, bias, tau, do, lse, delta, dq, *common, **meta)
-    kernels["_dkv_kernel"][(n_keys, batch * k.shape[1])](q, k, v, bias, tau, do, lse, delta, dk, dv, *common, **meta)
-    kernels["_dbias_kernel"][(n_diag, hq)](q, k, v, bias, tau, do, lse, delta, partials, *common, batch, **meta)
+
+    def meta(tiles: TileConfig) -> dict[str, Any]:
+        return dict(BLOCK=tiles.block_m, BD=bd, PREC=precision(q), **tiles.options())
+
+    def launch_dq(tiles: TileConfig) -> None:
+        n_rows = _geometry(q, k, tiles.block_m)[1]
+        kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, bias, tau, do, lse, delta, dq, *common, **meta(tiles))
+
+    def launch_dkv(tiles: TileConfig) -> None:
+        n_keys = _geometry(q, k, tiles.block_m)[2]
+        kernels["_dkv_kernel"][(n_keys, batch * k.shape[1])](
+            q, k, v, bias, tau, do, lse, delta, dk, dv, *common, **meta(tiles)
+        )
+
+    def launch_dbias(tiles: TileConfig) -> tuple[Tensor, int, int]:
+        block = tiles.block_m
+        n_diag = -(-(p + tq) // block)  # block diagonals e = I - J with a visible pair
+        partials = torch.empty(hq, n_diag, block, block, dtype=acc, device=q.device)
+        kernels["_dbias_kernel"][(n_diag, hq)](
+            q, k, v, bias, tau, do, lse, delta, partials, *common, batch, **meta(tiles)
+        )
+        return partials, n_diag, block
+
+    _launch("_dq_kernel", q, bd, block, launch_dq)
+    _launch("_dkv_kernel", q, bd, block, launch_dkv)
+    partials, n_diag, tile = _launch("_dbias_kernel", q, bd, block, launch_dbias)
     dbias = torch.zeros(bias.shape, dtype=acc, device=q.device)
-    dbias.index_add_(1, _distances(n_diag, block, last, q.device), -partials.reshape(hq, -1))
+    dbias.index_add_(1, _distances(n_diag, tile, last, q.device), -partials.reshape(hq, -1))
     return dq, dk, dv, dbias, dtau
 
 
@@ -407,7 +449,7 @@ def elastic_triton(
 ) -> Tensor:
     """sum_j relu(softmax_j(s_ij) - tau_h / (i + 1)) v_j, s = q.k * scale - bias[h, clamp(i - j, 0, last)], for
     queries ``q [B, H, Tq, D]`` at positions ``Tk - Tq .. Tk - 1`` over keys ``k, v [B, H_kv, Tk, D]`` at ``0 ..
-    Tk - 1`` (H a multiple of H_kv). ``[B, H, Tq, D]`` in q's dtype."""
-    block = block or (INTERPRET_BLOCK if interpreting() else BLOCK)
-    out, _, _ = _forward_op(q, k, v, distance_bias, tau, float(scale), int(last), int(block))
+    Tk - 1`` (H a multiple of H_kv). ``[B, H, Tq, D]`` in q's dtype. ``block``: a fixed tile size (the tests);
+    by default each kernel's tiles come from ``tile_configs`` for the device."""
+    out, _, _ = _forward_op(q, k, v, distance_bias, tau, float(scale), int(last), int(block or 0))
     return out.to(q.dtype)

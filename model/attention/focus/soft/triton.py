@@ -31,20 +31,24 @@ opaque node each in a compiled block.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from model.attention.common.triton import (
+    TileConfig,
     acc_dtype,
-    interpreting,
+    capability,
+    family_tiles,
     jit_kernels,
     last_contiguous,
+    launch_tiles,
     padded,
     precision,
     strides,
-    warps,
 )
 from model.attention.common.triton import available as available  # the module's own question too
 from model.attention.focus.soft.flex import fold_gate
@@ -57,8 +61,7 @@ else:
     except ImportError:  # the product imports without triton; available() is then False
         tl = None
 
-BLOCK = 64  # positions per query / key block on the GPU
-INTERPRET_BLOCK = 16  # under TRITON_INTERPRET (tests): small tiles keep the interpreter fast
+R = TypeVar("R")
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:
@@ -257,6 +260,20 @@ def _kernels() -> dict[str, Any]:
     return jit_kernels(globals(), _HELPERS + _LAUNCHED, _KERNELS)
 
 
+def tile_configs(kernel: str, capability: tuple[int, int] | None, bd: int, dtype: torch.dtype) -> list[TileConfig]:
+    """Launch candidates of ``kernel`` (one of ``_LAUNCHED``) on ``capability`` (None: the interpreter), best first.
+    The kernels take one BLOCK for query and key tiles (block_m == block_n)."""
+    return family_tiles(capability, bd, dtype)
+
+
+def _launch(name: str, q: Tensor, bd: int, block: int, launch: Callable[[TileConfig], R]) -> R:
+    """``launch`` with the selected tile configuration (``block`` > 0: that tile size, the tests)."""
+    configs = tile_configs(name, capability(q.device), bd, q.dtype)
+    if block:
+        configs = list(dict.fromkeys(dataclasses.replace(c, block_m=block, block_n=block) for c in configs))
+    return launch_tiles(f"focus_soft.{name}", q.device, bd, q.dtype, configs, launch)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # launches, as custom ops
 
@@ -280,14 +297,18 @@ def _forward_op(
     q, k, v = (last_contiguous(x) for x in (q, k, v))
     a_q, a_k = a_q.contiguous(), a_k.contiguous()
     batch, hq, tq, dim = q.shape
-    p, n_rows, _, bd, kp, group = _geometry(q, k, a_q, block)
     out = torch.empty(batch, hq, tq, dim, dtype=q.dtype, device=q.device)
     lse = torch.empty(batch, hq, tq, dtype=acc_dtype(q), device=q.device)
-    _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
-        q, k, v, a_q, a_k, out, lse, *strides(q, k, v),
-        scale, window, p, tq, k.shape[2], hq, group, dim, a_q.shape[-1],
-        ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=precision(q), num_warps=warps(bd),
-    )  # fmt: skip
+
+    def launch(tiles: TileConfig) -> None:
+        p, n_rows, _, bd, kp, group = _geometry(q, k, a_q, tiles.block_m)
+        _kernels()["_fwd_kernel"][(n_rows, batch * hq)](
+            q, k, v, a_q, a_k, out, lse, *strides(q, k, v),
+            scale, window, p, tq, k.shape[2], hq, group, dim, a_q.shape[-1],
+            ADDITIVE=additive, BLOCK=tiles.block_m, BD=bd, KP=kp, PREC=precision(q), **tiles.options(),
+        )  # fmt: skip
+
+    _launch("_fwd_kernel", q, padded(dim), block, launch)
     return out, lse
 
 
@@ -308,7 +329,7 @@ def _backward_op(
     a_q, a_k = a_q.contiguous(), a_k.contiguous()
     batch, hq, tq, dim = q.shape
     hk, tk, nk = k.shape[1], k.shape[2], a_q.shape[-1]
-    p, n_rows, n_keys, bd, kp, group = _geometry(q, k, a_q, block)
+    p, _, _, bd, kp, group = _geometry(q, k, a_q, 1)
     acc = acc_dtype(q)
     do = grad.contiguous()
     delta = (do.to(acc) * out.to(acc)).sum(-1)
@@ -318,10 +339,23 @@ def _backward_op(
     daq = torch.empty(batch, hq, tq, nk, dtype=acc, device=q.device)  # per query head
     dak = torch.empty(batch, hk, tk, nk, dtype=acc, device=q.device)  # per key/value head
     common = (*strides(q, k, v), scale, window, p, tq, tk, hq, group, dim, nk)
-    meta = dict(ADDITIVE=additive, BLOCK=block, BD=bd, KP=kp, PREC=precision(q), num_warps=warps(bd))
     kernels = _kernels()
-    kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, a_q, a_k, do, lse, delta, dq, daq, *common, **meta)
-    kernels["_dkv_kernel"][(n_keys, batch * hk)](q, k, v, a_q, a_k, do, lse, delta, dk, dv, dak, *common, **meta)
+
+    def meta(tiles: TileConfig) -> dict[str, Any]:
+        return dict(ADDITIVE=additive, BLOCK=tiles.block_m, BD=bd, KP=kp, PREC=precision(q), **tiles.options())
+
+    def launch_dq(tiles: TileConfig) -> None:
+        n_rows = _geometry(q, k, a_q, tiles.block_m)[1]
+        kernels["_dq_kernel"][(n_rows, batch * hq)](q, k, v, a_q, a_k, do, lse, delta, dq, daq, *common, **meta(tiles))
+
+    def launch_dkv(tiles: TileConfig) -> None:
+        n_keys = _geometry(q, k, a_q, tiles.block_m)[2]
+        kernels["_dkv_kernel"][(n_keys, batch * hk)](
+            q, k, v, a_q, a_k, do, lse, delta, dk, dv, dak, *common, **meta(tiles)
+        )
+
+    _launch("_dq_kernel", q, bd, block, launch_dq)
+    _launch("_dkv_kernel", q, bd, block, launch_dkv)
     return dq, dk, dv, daq.sum(1).to(a_q.dtype), dak.sum(1).to(a_k.dtype)
 
 
@@ -366,9 +400,9 @@ def triton_soft_attention(
 ) -> Tensor:
     """Soft-gated causal attention of q [B, H, Tq, D] at positions ``Tk - Tq .. Tk - 1`` over k, v [B, Hkv, Tk, D]
     at ``0 .. Tk - 1`` (H a multiple of Hkv); g_q [B, Tq, K], g_k [B, Tk, K] assignments, lam [1] the gate strength.
-    ``[B, H, Tq, D]`` in q's dtype; values and gradients those of ``flex_soft_attention`` and the dense reference."""
+    ``[B, H, Tq, D]`` in q's dtype; values and gradients those of ``flex_soft_attention`` and the dense reference.
+    ``block``: a fixed tile size (the tests); by default each kernel's tiles come from ``tile_configs``."""
     additive = gate == "additive"
     a_q, a_k = fold_gate(g_q, g_k, lam, torch.promote_types(q.dtype, torch.float32), additive)
-    block = block or (INTERPRET_BLOCK if interpreting() else BLOCK)
-    out, _ = _forward_op(q, k, v, a_q, a_k, float(scale), int(window), additive, int(block))
+    out, _ = _forward_op(q, k, v, a_q, a_k, float(scale), int(window), additive, int(block or 0))
     return out
