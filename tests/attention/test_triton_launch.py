@@ -52,7 +52,12 @@ def test_families_and_their_tables():
     assert family_tiles((8, 0), 128)[0] == TileConfig(64, 64, 8, 2)
     for module in (lazy_triton, soft_triton):
         for kernel in module._LAUNCHED:
-            assert module.tile_configs(kernel, (9, 0), 128, torch.bfloat16)
+            assert module.tile_configs(kernel, (9, 0), 128, torch.bfloat16)[0] == TileConfig(64, 64, 8, 3)
+    # Focus soft's rows on sm_80: 32-position tiles (64-position ones spill kilobytes there)
+    assert soft_triton.tile_configs("_dkv_kernel", (8, 0), 128, torch.bfloat16)[0] == TileConfig(32, 32, 4, 2)
+    assert lazy_triton.tile_configs("_dkv_kernel", (8, 0), 128, torch.bfloat16)[0] == TileConfig(64, 64, 8, 2)
+    # float32 inputs: the row, then smaller tiles
+    assert family_tiles((9, 0), 128, torch.float32)[-1] == TileConfig(16, 16, 4, 1)
 
 
 def test_launcher_falls_through_refused_candidates_and_keeps_its_choice(monkeypatch):

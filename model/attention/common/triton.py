@@ -158,20 +158,34 @@ def family(cap: tuple[int, int]) -> FamilyLimits | None:
     return next((f for f in FAMILIES if f.low <= cap < f.high), None)
 
 
+# Rows a kernel module may put over the defaults (``family_tiles(..., rows=)``): 32-position tiles on sm_80 for
+# kernels whose registers do not hold 64-row tiles there (Focus soft today: 64-row tiles spill 2-15 KB per thread in
+# its dk/dv kernel at head dim 128, 32-row ones under 0.1 KB; docs/triton-targets.md). Not on sm_90: wgmma needs
+# 64-row tiles per warpgroup.
+SM80_SMALL_TILES: dict[str, dict[int, tuple[TileConfig, ...]]] = {
+    "sm_80": {bd: (TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 1)) for bd in (64, 128)},
+}
 # float32 / float64 inputs (tests, debugging) double or quadruple the tiles' bytes: smaller tiles after the row's
 WIDE_DTYPE_TAIL = (TileConfig(32, 32, 4, 1), TileConfig(16, 16, 4, 1))
 
 
-def family_tiles(cap: tuple[int, int] | None, bd: int, dtype: torch.dtype = torch.bfloat16) -> list[TileConfig]:
-    """The default candidates for head dim ``bd`` (padded) on ``cap``: the interpreter's small tile for None; none
-    for a capability without a family or a head dim over 128 (the caller falls back). The rows are sized for 2-byte
-    inputs; wider ones get ``WIDE_DTYPE_TAIL`` after them (the launcher takes the first that fits)."""
+def family_tiles(
+    cap: tuple[int, int] | None,
+    bd: int,
+    dtype: torch.dtype = torch.bfloat16,
+    rows: Mapping[str, Mapping[int, tuple[TileConfig, ...]]] | None = None,
+) -> list[TileConfig]:
+    """The default candidates for head dim ``bd`` (padded) on ``cap`` (``rows`` replace a family's row, e.g.
+    ``SM80_SMALL_TILES``): the interpreter's small tile for None; none for a capability without a family or a head
+    dim over 128 (the caller falls back). The rows are sized for 2-byte inputs; wider ones get ``WIDE_DTYPE_TAIL``
+    after them (the launcher takes the first that fits)."""
     if cap is None:
         return [INTERPRETER_TILES]
     fam = family(cap)
     if fam is None or bd > 128:
         return []
-    row = list(FAMILY_TILES[fam.name][64 if bd <= 64 else 128])
+    table = {**FAMILY_TILES, **(rows or {})}
+    row = list(table[fam.name][64 if bd <= 64 else 128])
     if dtype.itemsize > 2:
         row += [t for t in WIDE_DTYPE_TAIL if t not in row]
     return row

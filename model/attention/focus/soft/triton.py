@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from model.attention.common.triton import (
+    SM80_SMALL_TILES,
     TileConfig,
     acc_dtype,
     capability,
@@ -262,8 +263,9 @@ def _kernels() -> dict[str, Any]:
 
 def tile_configs(kernel: str, capability: tuple[int, int] | None, bd: int, dtype: torch.dtype) -> list[TileConfig]:
     """Launch candidates of ``kernel`` (one of ``_LAUNCHED``) on ``capability`` (None: the interpreter), best first.
-    The kernels take one BLOCK for query and key tiles (block_m == block_n)."""
-    return family_tiles(capability, bd, dtype)
+    The kernels take one BLOCK for query and key tiles (block_m == block_n); 32-position tiles on sm_80, where
+    64-position ones spill (docs/triton-targets.md)."""
+    return family_tiles(capability, bd, dtype, SM80_SMALL_TILES)
 
 
 def _launch(name: str, q: Tensor, bd: int, block: int, launch: Callable[[TileConfig], R]) -> R:
