@@ -78,7 +78,8 @@ def precision(q: Tensor) -> str:
 
 
 def warps(bd: int) -> int:
-    return 4 if bd <= 64 else 8  # registers for [BLOCK, 128] float32 accumulators; to tune on the GPU
+    """Superseded by ``tile_configs`` / ``family_tiles`` (issue 47); kept while kernel branches still call it."""
+    return 4 if bd <= 64 else 8
 
 
 def acc_dtype(q: Tensor) -> torch.dtype:
