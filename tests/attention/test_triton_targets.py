@@ -297,7 +297,9 @@ def compile_spec(spec: Spec) -> Compiled:
             text = log.getvalue() if "Used" in log.getvalue() else ptxas_log(kernel.asm["ptx"], spec.cc)
             number = lambda pattern: int(m.group(1)) if (m := re.search(pattern, text)) else 0  # noqa: E731
             assert "Used" in text, f"{spec.id}: no ptxas -v log: {text[-2000:]}"
-            config = TileConfig(kwargs["BLOCK"], kwargs["BLOCK"], options.num_warps, options.num_stages)
+            # the kernels' tile constexprs: BLOCK today, BLOCK_M / BLOCK_N once the rewrites split it
+            block_m, block_n = (kwargs.get(k, kwargs.get("BLOCK")) for k in ("BLOCK_M", "BLOCK_N"))
+            config = TileConfig(block_m, block_n, options.num_warps, options.num_stages)
             _COMPILED[key] = Compiled(
                 spec, config, kernel.metadata.shared, number(r"Used (\d+) registers"),
                 number(r"(\d+) bytes spill stores") + number(r"(\d+) bytes spill loads"),
