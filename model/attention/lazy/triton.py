@@ -373,6 +373,8 @@ INTERPRETER_TILES = TileConfig(16, 16, 4, 1)  # TRITON_INTERPRET (the tests): sm
 # (family, padded head dim) -> kernel -> candidates, best first: the first has 0 spill bytes (compiled for sm_90 and
 # sm_80 without a GPU, the sweep in docs/benchmarks.md "Lazy Triton kernels"); the second asks for less shared
 # memory. "sm_80" serves sm_80 - sm_89 and sm_100+ (every candidate fits 99 KB per block); "sm_90" is sm_90 only.
+# float32 inputs: every kernel at 32 x 32 fits 70 KB at head dim 128 (they spill: a correctness path, not a fast one)
+_WIDE_TILES = TileConfig(32, 32, 4, 2)
 _TILES: dict[tuple[str, int], dict[str, tuple[TileConfig, ...]]] = {
     ("sm_90", 128): {
         "_fwd_kernel": (TileConfig(128, 32, 8, 2), TileConfig(64, 32, 4, 2)),
@@ -405,6 +407,8 @@ def tile_configs(kernel: str, capability: tuple[int, int] | None, bd: int, dtype
     fam = "sm_90" if (9, 0) <= capability < (10, 0) else "sm_80" if capability >= (8, 0) else None
     if fam is None or bd > 128:
         return []
+    if dtype.itemsize >= 4:  # float32 / float64 inputs: ieee dots on the CUDA cores, tiles of twice the bytes
+        return [_WIDE_TILES]
     return list(_TILES[(fam, 64 if bd <= 64 else 128)][kernel])
 
 

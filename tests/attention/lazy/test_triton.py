@@ -224,6 +224,31 @@ def test_tile_products_per_tile():
 
 
 @parent
+def test_tile_configs_per_target():
+    """Every kernel has candidates on sm_80 - sm_12x at head dims up to 128 (none before Ampere or past 128): powers
+    of two from 16 to 128, the dk/dv kernel's keys no more than its query rows; the interpreter's small tiles; float32
+    inputs get the small tiles; fixed tiles (the tests) keep the dk/dv rule."""
+    tc = lazy_triton.tile_configs
+    for kernel in lazy_triton._LAUNCHED:
+        assert tc(kernel, None, 128, torch.bfloat16) == [lazy_triton.INTERPRETER_TILES]
+        assert tc(kernel, (7, 5), 64, torch.float16) == [] and tc(kernel, (9, 0), 256, torch.bfloat16) == []
+        for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)]:
+            for bd in (16, 32, 64, 128):
+                for dtype in (torch.bfloat16, torch.float16, torch.float32):
+                    configs = tc(kernel, cap, bd, dtype)
+                    assert configs, (kernel, cap, bd, dtype)
+                    for t in configs:
+                        assert {t.block_m, t.block_n} <= {16, 32, 64, 128} and t.num_warps in (4, 8)
+                        assert kernel != "_dkv_kernel" or t.block_n <= t.block_m
+        assert tc(kernel, (9, 0), 128, torch.float32) == [lazy_triton._WIDE_TILES]
+    q = torch.zeros(1, 1, 4, 16)
+    fixed = lazy_triton._tiles("_dkv_kernel", q, 16, 16, 32)
+    assert (fixed.block_m, fixed.block_n) == (16, 16)
+    fixed = lazy_triton._tiles("_fwd_kernel", q, 16, 16, 32)
+    assert (fixed.block_m, fixed.block_n) == (16, 32)
+
+
+@parent
 def test_backward_has_no_atomics_and_bias_partials_fold_by_distance():
     """d bias and d tau are reduced without atomics. Each key block J writes one run of diagonal sums per (batch,
     head): contiguous distances from ``bases[J]``, long enough for every tile of J (a tile (I, J) spans the distances
