@@ -357,8 +357,9 @@ def test_imports_without_triton():
 @pytest.mark.parametrize("shape", [(1000, 1000), (300, 777), (1, 513)], ids=["ragged", "offset", "decode"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_compiled_kernels_match_reference(dtype, shape):
-    """On a GPU (compiled kernels, BLOCK = 64): a ragged length, GQA, queries at an offset, a clamped table, both
-    tau signs, against the float64 reference of the same inputs; and the module takes this path for CUDA tensors."""
+    """On a GPU (compiled kernels, the device's default tiles): a ragged length, GQA, queries at an offset, a clamped
+    table, both tau signs, against the float64 reference of the same inputs; and the module takes this path for CUDA
+    tensors."""
     tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
     tq, tk = shape
     inputs, w = make(2, 8, 2, tq, tk, 128, 256, [1.0, 0.5, 0.05, 0.0, -0.05, -0.5, -1.0, 2.0])
