@@ -3,10 +3,11 @@ the interpreter mode, jitting a module's kernel functions once per mode, the sma
 parameters per target (issue 47).
 
 Targets. A kernel module answers ``tile_configs(kernel, capability, bd, dtype)``: the ``TileConfig`` candidates in
-preference order for one kernel on one compute capability (``None``: the interpreter). ``family_tiles`` is the default
-table it starts from, one row per target family (``FAMILIES``: sm_80, sm_86-89, sm_90, sm_100+; pre-Ampere has no
-row), each sized for the family's opt-in shared memory per block (``FamilyLimits.smem``) and checked there ahead of
-time by tests/attention/test_triton_targets.py (every candidate compiled for the family's target, no GPU).
+preference order for one kernel on one compute capability (``None``: the interpreter), from its own per-kernel table
+read by ``family_tiles``: one row per target family (``FAMILIES``: sm_80, sm_86-89, sm_90, sm_100+; pre-Ampere has
+no row), each sized for the family's opt-in shared memory per block (``FamilyLimits.smem``) and checked there ahead
+of time by tests/attention/test_triton_targets.py (every candidate compiled for the family's target, no GPU; the
+defaults per target: docs/triton-targets.md).
 ``launch_tiles`` launches the first candidate the device takes (triton raises ``OutOfResources``, before launching
 anything, when a compiled kernel asks for more shared memory than the device's opt-in maximum; the next candidate
 is tried) and remembers the choice per (kernel, device, bd, dtype, candidates). ``tiles_unsupported`` says why
@@ -77,11 +78,6 @@ def precision(q: Tensor) -> str:
     return "ieee" if q.dtype in (torch.float32, torch.float64) else "tf32"
 
 
-def warps(bd: int) -> int:
-    """Superseded by ``tile_configs`` / ``family_tiles`` (issue 47); kept while kernel branches still call it."""
-    return 4 if bd <= 64 else 8
-
-
 def acc_dtype(q: Tensor) -> torch.dtype:
     """Accumulators in float32, float64 for float64 inputs (the interpreter tests)."""
     return torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -97,8 +93,8 @@ def last_contiguous(x: Tensor) -> Tensor:
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """A kernel's launch parameters: query rows and keys per tile, warps, software-pipelining stages. The current
-    kernels take one ``BLOCK`` (``block_m == block_n``)."""
+    """A kernel's launch parameters: query rows (``BLOCK_M``) and keys (``BLOCK_N``) per tile, warps,
+    software-pipelining stages."""
 
     block_m: int
     block_n: int
@@ -133,26 +129,8 @@ FAMILIES = (
 )
 INTERPRETER_TILES = TileConfig(16, 16, 4, 1)  # TRITON_INTERPRET (the tests): small tiles keep the interpreter fast
 
-# head dim (padded) -> candidates; the first is the default. Sized from the compile measurements in
-# docs/triton-targets.md (D = 128 backward kernels need 168-176 KB at 3 stages: over sm_80's 163 KB).
-_SM90: dict[int, tuple[TileConfig, ...]] = {
-    64: (TileConfig(64, 64, 8, 3), TileConfig(64, 64, 8, 2)),  # 8 warps: fewer spills than 4 wherever 4 spilled
-    128: (TileConfig(64, 64, 8, 3), TileConfig(64, 64, 8, 2)),
-}
-_SM80: dict[int, tuple[TileConfig, ...]] = {
-    64: (TileConfig(64, 64, 8, 3), TileConfig(64, 64, 8, 2)),
-    128: (TileConfig(64, 64, 8, 2), TileConfig(32, 32, 4, 2)),
-}
-_SM86: dict[int, tuple[TileConfig, ...]] = {
-    64: (TileConfig(64, 64, 8, 2), TileConfig(32, 32, 4, 2)),
-    128: (TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 1)),
-}
-FAMILY_TILES: dict[str, dict[int, tuple[TileConfig, ...]]] = {
-    "sm_80": _SM80,
-    "sm_86-89": _SM86,
-    "sm_90": _SM90,
-    "sm_100+": {bd: tuple(dict.fromkeys(_SM90[bd] + _SM86[bd])) for bd in _SM90},
-}
+# A kernel module's table for one family: padded head dim (64 / 128) -> kernel -> candidates, the first the default
+KernelRows = Mapping[int, Mapping[str, tuple[TileConfig, ...]]]
 
 
 def family(cap: tuple[int, int]) -> FamilyLimits | None:
@@ -160,37 +138,32 @@ def family(cap: tuple[int, int]) -> FamilyLimits | None:
     return next((f for f in FAMILIES if f.low <= cap < f.high), None)
 
 
-# Rows a kernel module may put over the defaults (``family_tiles(..., rows=)``): 32-position tiles on sm_80 for
-# kernels whose registers do not hold 64-row tiles there (Focus soft today: 64-row tiles spill 2-15 KB per thread in
-# its dk/dv kernel at head dim 128, 32-row ones under 0.1 KB; docs/triton-targets.md). Not on sm_90: wgmma needs
-# 64-row tiles per warpgroup.
-SM80_SMALL_TILES: dict[str, dict[int, tuple[TileConfig, ...]]] = {
-    "sm_80": {bd: (TileConfig(32, 32, 4, 2), TileConfig(32, 32, 4, 1)) for bd in (64, 128)},
-}
-# float32 / float64 inputs (tests, debugging) double or quadruple the tiles' bytes: smaller tiles after the row's
-WIDE_DTYPE_TAIL = (TileConfig(32, 32, 4, 1), TileConfig(16, 16, 4, 1))
+def sm100_rows(sm90: KernelRows, sm86: KernelRows) -> dict[int, dict[str, tuple[TileConfig, ...]]]:
+    """The sm_100+ row: sm_90's candidates, then sm_86-89's (B200 has sm_90's 227 KB per block, RTX 50xx sm_86's
+    99 KB; the launcher takes the first the device has the shared memory for, so the row fits both)."""
+    return {bd: {k: tuple(dict.fromkeys(sm90[bd][k] + sm86[bd][k])) for k in sm90[bd]} for bd in sm90}
 
 
 def family_tiles(
+    rows: Mapping[str, KernelRows],
+    wide: Mapping[str, tuple[TileConfig, ...]],
+    kernel: str,
     cap: tuple[int, int] | None,
     bd: int,
-    dtype: torch.dtype = torch.bfloat16,
-    rows: Mapping[str, Mapping[int, tuple[TileConfig, ...]]] | None = None,
+    dtype: torch.dtype,
 ) -> list[TileConfig]:
-    """The default candidates for head dim ``bd`` (padded) on ``cap`` (``rows`` replace a family's row, e.g.
-    ``SM80_SMALL_TILES``): the interpreter's small tile for None; none for a capability without a family or a head
-    dim over 128 (the caller falls back). The rows are sized for 2-byte inputs; wider ones get ``WIDE_DTYPE_TAIL``
-    after them (the launcher takes the first that fits)."""
+    """``kernel``'s candidates from a module's table ``rows`` (family name -> ``KernelRows``, sized for 2-byte
+    inputs) for head dim ``bd`` (padded) on ``cap``: the interpreter's small tile for None; none for a capability
+    without a family or a head dim over 128 (the caller falls back); ``wide[kernel]`` for float32 / float64 inputs
+    (ieee dots on the CUDA cores, tiles of twice the bytes: a correctness path, not a fast one)."""
     if cap is None:
         return [INTERPRETER_TILES]
     fam = family(cap)
     if fam is None or bd > 128:
         return []
-    table = {**FAMILY_TILES, **(rows or {})}
-    row = list(table[fam.name][64 if bd <= 64 else 128])
     if dtype.itemsize > 2:
-        row += [t for t in WIDE_DTYPE_TAIL if t not in row]
-    return row
+        return list(wide[kernel])
+    return list(rows[fam.name][64 if bd <= 64 else 128][kernel])
 
 
 def capability(device: torch.device) -> tuple[int, int] | None:
