@@ -106,17 +106,22 @@ CASES = {
 }
 
 
+# (block_m query rows, block_n keys): tile shapes move the causal and window masks and the ragged edges across tiles
+TILES = {"16x16": (16, 16), "32x16": (32, 16), "16x32": (16, 32)}
+
+
 @interpreted
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_float64_reference(case):
+def test_matches_float64_reference(case, tiles):
     gate, b, h, hk, tq, tk, d, k_groups, lam, window = CASES[case]
     inputs, w = make(b, h, hk, tq, tk, d, k_groups, lam)
     opts = dict(window=window, scale=1.0 / math.sqrt(d), gate=gate)
-    got = values_and_grads(lambda *x: soft_triton.triton_soft_attention(*x, **opts, block=16), inputs, w)
+    got = values_and_grads(lambda *x: soft_triton.triton_soft_attention(*x, **opts, tiles=TILES[tiles]), inputs, w)
     want = values_and_grads(lambda *x: reference(*x, **opts), inputs, w)
     for name, a, e in zip(NAMES, got, want):
         assert a.shape == e.shape, name
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{case} {name}: {m}")
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{case} {tiles} {name}: {m}")
 
 
 @interpreted
@@ -214,6 +219,62 @@ def test_compiled_block_traces_the_op_and_keeps_its_output(monkeypatch):
     monkeypatch.setattr(focus_module_code, "flex_soft_attention", not_flex)
     (case,) = [c for c in type(focus_module("additive")).suite_cases() if c.name == "soft-prefix"]
     compiled_block.test_block_forward_backward_is_one_graph_without_host_sync("focus", case, "selective", monkeypatch)
+
+
+@parent
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0)])
+def test_tile_configs_per_target(capability):
+    """Every kernel has a non-empty preference list per target family whose tiles the kernels accept (powers of two,
+    at least 16: ``tl.dot``'s minimum); the defaults take 128-row query tiles in the forward and dq kernels and
+    128-key blocks in dk/dv; float32 inputs start at the smaller fallbacks; the interpreter takes small tiles."""
+    for kernel in ("fwd", "dq", "dkv"):
+        for bd in (64, 128):
+            configs = soft_triton.tile_configs(kernel, capability, bd, torch.bfloat16)
+            assert configs and len(set(configs)) == len(configs)
+            for c in configs:
+                for n in (c.block_m, c.block_n):
+                    assert n >= 16 and n & (n - 1) == 0, c
+                assert c.num_warps in (4, 8) and c.num_stages >= 1
+            first = configs[0]
+            assert (first.block_n if kernel == "dkv" else first.block_m) == 128
+            fp32 = soft_triton.tile_configs(kernel, capability, bd, torch.float32)
+            assert fp32 and first not in fp32
+    interp = soft_triton.tile_configs("dq", None, 128, torch.float64)
+    assert interp == [soft_triton.TileConfig(16, 16, 1, 1)]
+
+
+class OutOfResources(Exception):
+    """Named as triton's (triton.runtime.errors.OutOfResources): what a launch raises for too much shared memory."""
+
+
+@parent
+def test_launcher_takes_the_first_configuration_that_fits(monkeypatch):
+    """``_launch`` tries the configurations in order: OutOfResources moves on to the next one, the last one's and
+    any other error propagate; the grid follows the configuration."""
+    tried = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, BLOCK_M, BLOCK_N, num_warps, num_stages, **meta):
+                tried.append((grid, BLOCK_M, BLOCK_N, num_warps, num_stages, args, meta))
+                if BLOCK_M > limit:
+                    raise OutOfResources("shared memory")
+                if BLOCK_M == 7:
+                    raise ValueError("not a resource error")
+
+            return launch
+
+    monkeypatch.setattr(soft_triton, "_kernels", lambda: {"_fwd_kernel": Kernel()})
+    configs = [soft_triton.TileConfig(bm, 16, 8, 2) for bm in (128, 64, 32)]
+    limit = 64
+    soft_triton._launch("_fwd_kernel", configs, lambda c: (1000 // c.block_m, 3), "x", NK=5)
+    assert [(t[0], t[1]) for t in tried] == [((7, 3), 128), ((15, 3), 64)]
+    assert tried[-1][5:] == (("x",), {"NK": 5})
+    limit = 16
+    with pytest.raises(OutOfResources):
+        soft_triton._launch("_fwd_kernel", configs, lambda c: (1, 1))
+    with pytest.raises(ValueError):
+        soft_triton._launch("_fwd_kernel", [soft_triton.TileConfig(7, 16, 4, 1)] + configs, lambda c: (1, 1))
 
 
 @parent
