@@ -229,7 +229,7 @@ def _dq_kernel(
         dp = tl.dot(do, tl.trans(v), input_precision=PREC).to(acc_t)
         ak = _columns(ak_ptr + ak_base, kpos, k_ok, Tk, NK)
         x = _gate(aq, ak, NK)
-        vis = (kpos[None, :] <= pos[:, None]) & row_ok[:, None]  # keys past Tk are past every query
+        vis = kpos[None, :] <= pos[:, None]  # keys past Tk are past every query; rows outside: never stored
         gated = (pos[:, None] - kpos[None, :]) >= window  # p = 0 where not visible: so are ds and dx
         p, ds0, dx = _grads(s0, x, dp, lse[:, None], delta[:, None], vis, gated, ADDITIVE, FAST)
         dq += tl.dot(ds0.to(k.dtype), k, input_precision=PREC).to(acc_t)
@@ -279,20 +279,21 @@ def _dkv_kernel(
             row_ok = (pos >= P) & (pos < P + Tq)
             qi = pos - P
             row = (b * HQ + h) * Tq + qi
-            qmask = (d[:, None] < D) & row_ok[None, :]
-            qt = tl.load(q_ptr + b * sqb + h * sqh + qi[None, :] * sqt + d[:, None], mask=qmask, other=0.0)
-            dot_ = tl.load(do_ptr + row[None, :] * D + d[:, None], mask=qmask, other=0.0)
-            lse = tl.load(lse_ptr + row, mask=row_ok, other=0.0).to(acc_t)
+            qmask = row_ok[:, None] & (d[None, :] < D)
+            q = tl.load(q_ptr + b * sqb + h * sqh + qi[:, None] * sqt + d[None, :], mask=qmask, other=0.0)
+            do = tl.load(do_ptr + row[:, None] * D + d[None, :], mask=qmask, other=0.0)
+            # rows outside the queries: lse = inf makes their p, ds and dx 0 (no row mask on the tile)
+            lse = tl.load(lse_ptr + row, mask=row_ok, other=float("inf")).to(acc_t)
             delta = tl.load(delta_ptr + row, mask=row_ok, other=0.0).to(acc_t)
-            s0 = tl.dot(k, qt, input_precision=PREC).to(acc_t) * scale  # [keys, queries]
-            dp = tl.dot(v, dot_, input_precision=PREC).to(acc_t)
+            s0 = tl.dot(k, tl.trans(q), input_precision=PREC).to(acc_t) * scale  # [keys, queries]
+            dp = tl.dot(v, tl.trans(do), input_precision=PREC).to(acc_t)
             aq = _columns(aq_ptr + aq_base, qi, row_ok, Tq, NK)
             x = _gate(ak, aq, NK)
-            vis = (kpos[:, None] <= pos[None, :]) & row_ok[None, :]
+            vis = kpos[:, None] <= pos[None, :]
             gated = (pos[None, :] - kpos[:, None]) >= window
             p, ds0, dx = _grads(s0, x, dp, lse[None, :], delta[None, :], vis, gated, ADDITIVE, FAST)
-            dv += tl.dot(p.to(k.dtype), tl.trans(dot_), input_precision=PREC).to(acc_t)
-            dk += tl.dot(ds0.to(k.dtype), tl.trans(qt), input_precision=PREC).to(acc_t)
+            dv += tl.dot(p.to(k.dtype), do, input_precision=PREC).to(acc_t)
+            dk += tl.dot(ds0.to(k.dtype), q, input_precision=PREC).to(acc_t)
             new = ()
             for c in tl.static_range(NK):  # d a_k[j, c] += sum_i dx_ji a_q[i, c]
                 new = new + (dak[c] + tl.sum(dx * aq[c][None, :], 1),)  # type: ignore[assignment]
@@ -344,25 +345,26 @@ def tile_configs(kernel: str, capability: tuple[int, int] | None, bd: int, dtype
     return configs
 
 
-# (block_m query rows, block_n keys, warps, stages). 128-row query tiles where the registers allow: the forward and
-# dq; the dk/dv kernel keeps a [block_n, D] dk and dv (128 float32 registers a thread at D = 128, 8 warps) and
-# takes 16-query steps over 128 keys. sm_80 (mma.sync holds both operands in registers): dq over 16-key steps.
+# (block_m query rows, block_n keys, warps, stages), from the compile sweeps of docs/focus.md ("Triton tiles"): the
+# first of each compiles without spills at head dims 64 and 128, MHA and GQA, both gates. 128-row query tiles in the
+# forward and dq kernels; dq and dk/dv take 16-position steps (the gate's K' columns and the score tiles stay in
+# registers beside the [rows, D] float32 accumulators: dk and dv are two of them).
 _GPU_CONFIGS: dict[str, dict[str, tuple[TileConfig, ...]]] = {
     "sm90": {
         "fwd": (TileConfig(128, 64, 8, 2),),
-        "dq": (TileConfig(128, 32, 8, 1),),
-        "dkv": (TileConfig(16, 128, 8, 1),),
+        "dq": (TileConfig(128, 16, 8, 2),),
+        "dkv": (TileConfig(16, 64, 8, 2),),
     },
     "sm80": {
         "fwd": (TileConfig(128, 64, 8, 2),),
-        "dq": (TileConfig(128, 16, 8, 1),),
-        "dkv": (TileConfig(16, 128, 8, 1),),
+        "dq": (TileConfig(128, 16, 8, 2),),
+        "dkv": (TileConfig(16, 32, 4, 2),),
     },
 }
 _FALLBACKS: dict[str, tuple[TileConfig, ...]] = {
     "fwd": (TileConfig(64, 32, 4, 1), TileConfig(32, 16, 4, 1)),
     "dq": (TileConfig(64, 16, 4, 1), TileConfig(32, 16, 4, 1)),
-    "dkv": (TileConfig(16, 64, 4, 1), TileConfig(16, 32, 4, 1)),
+    "dkv": (TileConfig(16, 32, 4, 1), TileConfig(16, 16, 4, 1)),
 }
 
 
@@ -372,7 +374,11 @@ def _fast(q: Tensor) -> bool:
 
 
 def _capability(q: Tensor) -> tuple[int, int] | None:
-    return torch.cuda.get_device_capability(q.device) if q.is_cuda and not interpreting() else None
+    """The device's compute capability; None under the interpreter. CPU tensors outside the interpreter launch
+    nothing real: the ahead-of-time compile tools record launches there, and get sm_90's configurations."""
+    if interpreting():
+        return None
+    return torch.cuda.get_device_capability(q.device) if q.is_cuda else (9, 0)
 
 
 def _configs(kernel: str, q: Tensor, bd: int, tiles: list[int]) -> list[TileConfig]:
