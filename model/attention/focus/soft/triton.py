@@ -272,32 +272,33 @@ def _dkv_kernel(
     i_start = tl.maximum((J * BLOCK_N) // BLOCK_M, P // BLOCK_M)
     i_end = tl.cdiv(P + Tq, BLOCK_M)
     aq_base = b * NK * Tq
-    for g in range(0, G):
-        h = hk * G + g
-        for qb in range(i_start, i_end):
-            pos = qb * BLOCK_M + tl.arange(0, BLOCK_M)
-            row_ok = (pos >= P) & (pos < P + Tq)
-            qi = pos - P
-            row = (b * HQ + h) * Tq + qi
-            qmask = row_ok[:, None] & (d[None, :] < D)
-            q = tl.load(q_ptr + b * sqb + h * sqh + qi[:, None] * sqt + d[None, :], mask=qmask, other=0.0)
-            do = tl.load(do_ptr + row[:, None] * D + d[None, :], mask=qmask, other=0.0)
-            # rows outside the queries: lse = inf makes their p, ds and dx 0 (no row mask on the tile)
-            lse = tl.load(lse_ptr + row, mask=row_ok, other=float("inf")).to(acc_t)
-            delta = tl.load(delta_ptr + row, mask=row_ok, other=0.0).to(acc_t)
-            s0 = tl.dot(k, tl.trans(q), input_precision=PREC).to(acc_t) * scale  # [keys, queries]
-            dp = tl.dot(v, tl.trans(do), input_precision=PREC).to(acc_t)
-            aq = _columns(aq_ptr + aq_base, qi, row_ok, Tq, NK)
-            x = _gate(ak, aq, NK)
-            vis = kpos[:, None] <= pos[None, :]
-            gated = (pos[None, :] - kpos[:, None]) >= window
-            p, ds0, dx = _grads(s0, x, dp, lse[None, :], delta[None, :], vis, gated, ADDITIVE, FAST)
-            dv += tl.dot(p.to(k.dtype), do, input_precision=PREC).to(acc_t)
-            dk += tl.dot(ds0.to(k.dtype), q, input_precision=PREC).to(acc_t)
-            new = ()
-            for c in tl.static_range(NK):  # d a_k[j, c] += sum_i dx_ji a_q[i, c]
-                new = new + (dak[c] + tl.sum(dx * aq[c][None, :], 1),)  # type: ignore[assignment]
-            dak = new
+    n_q = i_end - i_start
+    for it in range(0, G * n_q):  # the G heads' query tiles as one loop (one level of loop state)
+        h = hk * G + it // n_q
+        qb = i_start + it % n_q
+        pos = qb * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_ok = (pos >= P) & (pos < P + Tq)
+        qi = pos - P
+        row = (b * HQ + h) * Tq + qi
+        qmask = row_ok[:, None] & (d[None, :] < D)
+        q = tl.load(q_ptr + b * sqb + h * sqh + qi[:, None] * sqt + d[None, :], mask=qmask, other=0.0)
+        do = tl.load(do_ptr + row[:, None] * D + d[None, :], mask=qmask, other=0.0)
+        # rows outside the queries: lse = inf makes their p, ds and dx 0 (no row mask on the tile)
+        lse = tl.load(lse_ptr + row, mask=row_ok, other=float("inf")).to(acc_t)
+        delta = tl.load(delta_ptr + row, mask=row_ok, other=0.0).to(acc_t)
+        s0 = tl.dot(k, tl.trans(q), input_precision=PREC).to(acc_t) * scale  # [keys, queries]
+        dp = tl.dot(v, tl.trans(do), input_precision=PREC).to(acc_t)
+        aq = _columns(aq_ptr + aq_base, qi, row_ok, Tq, NK)
+        x = _gate(ak, aq, NK)
+        vis = kpos[:, None] <= pos[None, :]
+        gated = (pos[None, :] - kpos[:, None]) >= window
+        p, ds0, dx = _grads(s0, x, dp, lse[None, :], delta[None, :], vis, gated, ADDITIVE, FAST)
+        dv += tl.dot(p.to(k.dtype), do, input_precision=PREC).to(acc_t)
+        dk += tl.dot(ds0.to(k.dtype), q, input_precision=PREC).to(acc_t)
+        new = ()
+        for c in tl.static_range(NK):  # d a_k[j, c] += sum_i dx_ji a_q[i, c]
+            new = new + (dak[c] + tl.sum(dx * aq[c][None, :], 1),)  # type: ignore[assignment]
+        dak = new
     row = (b * HK + hk) * Tk + kpos
     tl.store(dk_ptr + row[:, None] * D + d[None, :], (dk * scale).to(dk_ptr.dtype.element_ty), mask=kmask)
     tl.store(dv_ptr + row[:, None] * D + d[None, :], dv.to(dv_ptr.dtype.element_ty), mask=kmask)
@@ -353,7 +354,7 @@ _GPU_CONFIGS: dict[str, dict[str, tuple[TileConfig, ...]]] = {
     "sm90": {
         "fwd": (TileConfig(128, 64, 8, 2),),
         "dq": (TileConfig(128, 16, 8, 2),),
-        "dkv": (TileConfig(16, 64, 8, 2),),
+        "dkv": (TileConfig(16, 128, 8, 1), TileConfig(16, 64, 8, 2)),
     },
     "sm80": {
         "fwd": (TileConfig(128, 64, 8, 2),),
