@@ -320,8 +320,8 @@ class _Cuda(torch.Tensor):
 @pytest.mark.parametrize("gate", ["additive", "multiplicative"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_compiled_kernels_match_reference(dtype, gate):
-    """On a GPU (compiled kernels, BLOCK = 64): a ragged length, GQA, K = 8, against the float64 reference of the
-    same inputs."""
+    """On a GPU (compiled kernels, the default tiles of ``tile_configs``): a ragged length, GQA, K = 8, against the
+    float64 reference of the same inputs."""
     tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
     inputs, w = make(2, 8, 2, 1000, 1000, 128, 8, 4.0)
     inputs, w = [x.cuda() for x in inputs], w.cuda()
