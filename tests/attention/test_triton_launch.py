@@ -13,7 +13,7 @@ import torch
 
 from model.attention import LayerSpec, build_attention
 from model.attention.common import triton as common
-from model.attention.common.triton import FAMILIES, TileConfig, family, family_tiles
+from model.attention.common.triton import FAMILIES, TileConfig, family
 from model.attention.focus import FocusConfig
 from model.attention.focus.soft import triton as soft_triton
 from model.attention.lazy import LazyConfig
@@ -34,30 +34,31 @@ def fresh():
 
 
 def test_families_and_their_tables():
-    """Capabilities map to the families (none before Ampere); every family row has candidates for head dims up to
-    128 and none past it; the interpreter gets its small tile; the limits are the hardware's opt-in per block."""
+    """Capabilities map to the families (none before Ampere); the limits are the hardware's opt-in per block. Each
+    kernel module's table has candidates for every kernel on every family at head dims up to 128 (none past it, none
+    before Ampere); the interpreter gets its small tile; sm_86-89 take sm_80's rows (compiled for sm_86 against its
+    99 KB: tests/attention/test_triton_targets.py); sm_100+ takes sm_90's candidates, then sm_86's (the launcher
+    falls through to the ones a 99 KB part has); float32 inputs get smaller tiles."""
     assert {f.name: f.smem for f in FAMILIES} == FAMILY_LIMITS
     names = {cap: (family(cap).name if family(cap) else None) for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0),
                                                                           (10, 0), (12, 0)]}  # fmt: skip
     assert names == {(7, 5): None, (8, 0): "sm_80", (8, 6): "sm_86-89", (8, 9): "sm_86-89", (9, 0): "sm_90",
                      (10, 0): "sm_100+", (12, 0): "sm_100+"}  # fmt: skip
-    assert family_tiles(None, 128) == [common.INTERPRETER_TILES]
-    assert family_tiles((7, 5), 64) == [] and family_tiles((9, 0), 256) == []
-    for cap in [(8, 0), (8, 6), (9, 0), (10, 0)]:
-        for bd in (16, 32, 64, 128):
-            tiles = family_tiles(cap, bd)
-            assert tiles and all(t.block_m == t.block_n for t in tiles)  # the kernels take one BLOCK today
-            assert len(set(tiles)) == len(tiles)
-    # A100 at head dim 128: two stages (three ask for 168-176 KB in four backward kernels: docs/triton-targets.md)
-    assert family_tiles((8, 0), 128)[0] == TileConfig(64, 64, 8, 2)
     for module in (lazy_triton, soft_triton):
         for kernel in module._LAUNCHED:
-            assert module.tile_configs(kernel, (9, 0), 128, torch.bfloat16)[0] == TileConfig(64, 64, 8, 3)
-    # Focus soft's rows on sm_80: 32-position tiles (64-position ones spill kilobytes there)
-    assert soft_triton.tile_configs("_dkv_kernel", (8, 0), 128, torch.bfloat16)[0] == TileConfig(32, 32, 4, 2)
-    assert lazy_triton.tile_configs("_dkv_kernel", (8, 0), 128, torch.bfloat16)[0] == TileConfig(64, 64, 8, 2)
-    # float32 inputs: the row, then smaller tiles
-    assert family_tiles((9, 0), 128, torch.float32)[-1] == TileConfig(16, 16, 4, 1)
+            tc = module.tile_configs
+            assert tc(kernel, None, 128, torch.bfloat16) == [common.INTERPRETER_TILES]
+            assert tc(kernel, (7, 5), 64, torch.bfloat16) == [] and tc(kernel, (9, 0), 256, torch.bfloat16) == []
+            for bd in (16, 32, 64, 128):
+                rows = {cap: tc(kernel, cap, bd, torch.bfloat16) for cap in [(8, 0), (8, 6), (9, 0), (10, 0)]}
+                assert all(row and len(set(row)) == len(row) for row in rows.values()), (kernel, bd)
+                assert rows[(8, 6)] == rows[(8, 0)]
+                assert rows[(10, 0)] == list(dict.fromkeys(rows[(9, 0)] + rows[(8, 6)]))
+                wide = tc(kernel, (9, 0), bd, torch.float32)
+                assert wide and rows[(9, 0)][0] not in wide
+    # A100 at head dim 128: two stages everywhere (three asked for 168-176 KB in the old backward kernels)
+    for module in (lazy_triton, soft_triton):
+        assert all(module.tile_configs(k, (8, 0), 128, torch.bfloat16)[0].num_stages <= 2 for k in module._LAUNCHED)
 
 
 def test_launcher_falls_through_refused_candidates_and_keeps_its_choice(monkeypatch):
