@@ -376,7 +376,7 @@ _SM90: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     64: {
         "_fwd_kernel": (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 2)),
         "_dq_kernel": (TileConfig(128, 64, 8, 2), TileConfig(128, 32, 8, 2)),
-        "_dkv_kernel": (TileConfig(64, 64, 8, 2), TileConfig(64, 32, 8, 2)),
+        "_dkv_kernel": (TileConfig(64, 64, 8, 1), TileConfig(64, 32, 8, 2)),  # 2 stages: 236 B spilled with GQA
     },
 }
 _SM80: dict[int, dict[str, tuple[TileConfig, ...]]] = {
