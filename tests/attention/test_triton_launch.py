@@ -36,9 +36,10 @@ def fresh():
 def test_families_and_their_tables():
     """Capabilities map to the families (none before Ampere); the limits are the hardware's opt-in per block. Each
     kernel module's table has candidates for every kernel on every family at head dims up to 128 (none past it, none
-    before Ampere); the interpreter gets its small tile; sm_86-89 take sm_80's rows (compiled for sm_86 against its
-    99 KB: tests/attention/test_triton_targets.py); sm_100+ takes sm_90's candidates, then sm_86's (the launcher
-    falls through to the ones a 99 KB part has); float32 inputs get smaller tiles."""
+    before Ampere); the interpreter gets its small tile; sm_86-89 take sm_80's rows but Lazy's dq at head dim 128
+    (compiled for sm_86 against its 99 KB: tests/attention/test_triton_targets.py); sm_100+ takes sm_90's
+    candidates, then sm_86's (the launcher falls through to the ones a 99 KB part has); float32 inputs get smaller
+    tiles."""
     assert {f.name: f.smem for f in FAMILIES} == FAMILY_LIMITS
     names = {cap: (family(cap).name if family(cap) else None) for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (9, 0),
                                                                           (10, 0), (12, 0)]}  # fmt: skip
@@ -52,7 +53,8 @@ def test_families_and_their_tables():
             for bd in (16, 32, 64, 128):
                 rows = {cap: tc(kernel, cap, bd, torch.bfloat16) for cap in [(8, 0), (8, 6), (9, 0), (10, 0)]}
                 assert all(row and len(set(row)) == len(row) for row in rows.values()), (kernel, bd)
-                assert rows[(8, 6)] == rows[(8, 0)]
+                if (module, kernel, bd) != (lazy_triton, "_dq_kernel", 128):  # sm_86's ptxas spills sm_80's there
+                    assert rows[(8, 6)] == rows[(8, 0)]
                 assert rows[(10, 0)] == list(dict.fromkeys(rows[(9, 0)] + rows[(8, 6)]))
                 wide = tc(kernel, (9, 0), bd, torch.float32)
                 assert wide and rows[(9, 0)][0] not in wide

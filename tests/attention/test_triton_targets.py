@@ -12,12 +12,13 @@ the shapes are small; each distinct specialisation compiles once per session and
 Asserted for every kernel and every candidate its ``tile_configs`` can pick on sm_80 and sm_90: it compiles; its
 shared memory fits the family's opt-in limit per block (166,912 B sm_80, 232,448 B sm_90); every dot inside a loop
 runs on the tensor cores (``mma`` / ``wgmma`` in the loops' PTX); no atomics (``atom`` / ``red``); for the default
-(first) candidate, 0 spill bytes and no dot lowered to scalar FMAs. Today's known spills and FMA dots are listed
-below as strict xfails with the measured figures: they belong to the kernel rewrites of issue 47 item 2 and turn
-into failures (XPASS strict) when a rewrite removes them, so the entry is deleted then.
+(first) candidate, 0 spill bytes, no dot lowered to scalar FMAs and, on sm_90, ``wgmma`` (``SM90_MMA_SYNC`` names
+the one default whose tiles are too small for it). Known spills and FMA dots would be listed below as strict xfails
+with the measured figures (both lists are empty since the kernel rewrites of issue 47); an entry that passes fails
+(XPASS strict) and is deleted then.
 
 Tiers (both ``slow``: compilation, out of the inner loop's fast tier). CI: the default candidates at bf16 on sm_80
-and sm_90, every kernel, both gates, head dims 64 and 128, MHA and GQA (80 compilations). ``--triton-targets``
+and sm_90, every kernel, both gates, head dims 64 and 128, MHA and GQA (72 compilations). ``--triton-targets``
 (deselected otherwise, like ``long_context``) adds the second candidates, fp16 and the sm_86-89 family (compiled for
 sm_86 against 101,376 B):
 ``python -m pytest -q -p no:xdist --triton-targets -m triton_targets tests/attention/test_triton_targets.py``.
@@ -105,7 +106,7 @@ def all_specs() -> list[Spec]:
 
 def in_ci_tier(spec: Spec) -> bool:
     """The default candidates at bf16 on sm_80 and sm_90: every kernel, both gates, head dims 64 and 128, MHA and
-    GQA (80 compilations, about 1 s each on an idle core)."""
+    GQA (72 compilations, about 1 s each on an idle core)."""
     return spec.cc in (80, 90) and spec.index == 0 and spec.dtype == "bf16"
 
 
@@ -119,10 +120,11 @@ def params(specs: list[Spec]) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# known offenders of the default candidates (measured 2026-11-28, triton 3.9.0; issue 47 item 2 removes them)
+# known exceptions of the default candidates (measured 2026-11-28, triton 3.9.0), strict xfails: an entry that passes
+# fails (XPASS) and is deleted then. Empty since the kernel rewrites of issue 47 (every default: 0 spill bytes, no
+# FMA dot, on sm_80, sm_86 and sm_90, bf16 and fp16).
 
-# spill stores + loads (bytes per thread, ptxas -v) of default candidates that spill today, by (name, cc, head dim,
-# GQA): the same at bf16 and fp16 (measured)
+# spill stores + loads (bytes per thread, ptxas -v) of a default candidate that spills, by (name, cc, head dim, GQA)
 KNOWN_SPILLS: dict[tuple[str, int, int, bool], int] = {}
 # default candidates whose loop dots on sm_90 are tensor-core ``mma.sync``, not ``wgmma`` (a warpgroup's wgmma needs
 # 64 rows: these tiles have 32 keys as rows), by (name, head dim), measured 2026-11-28: Lazy's dk/dv at head dim 128
@@ -131,7 +133,7 @@ KNOWN_SPILLS: dict[tuple[str, int, int, bool], int] = {}
 SM90_MMA_SYNC: dict[tuple[str, int], str] = {
     ("lazy._dkv_kernel", 128): "64 x 32 tiles (0 spills); 64 x 64 wgmma tiles spill 160-528 B",
 }
-# FMA-lowered dots: Focus soft's fp32 gate products a_q . a_k^T (and dx . a_k, dx^T . a_q) on blocked layouts
+# kernels with a dot lowered to scalar FMAs (operands on blocked layouts); Focus soft's gate is unrolled FMAs now
 FMA_DOT_KERNELS: tuple[str, ...] = ()
 
 
@@ -384,7 +386,7 @@ def test_default_does_not_spill(spec, request):
     """The default candidate of every kernel uses no local memory for spills (ptxas -v: 0 bytes)."""
     key = (spec.name, spec.cc, spec.d, spec.gqa)
     if key in KNOWN_SPILLS:
-        why = f"known: {KNOWN_SPILLS[key]} B spilled (measured; issue 47 item 2's kernel rewrite removes it)"
+        why = f"known: {KNOWN_SPILLS[key]} B spilled (measured)"
         request.applymarker(pytest.mark.xfail(strict=True, reason=why))
     c = compile_spec(spec)
     assert c.spill_bytes == 0, f"{spec.id} ({c.config}): {c.spill_bytes} B spilled, {c.regs} registers"
@@ -394,7 +396,7 @@ def test_default_does_not_spill(spec, request):
 def test_default_has_no_fma_dots(spec, request):
     """No ``tt.dot`` of a default candidate lowers to scalar FMAs (dot operands on blocked layouts)."""
     if spec.name.split("[")[0] in FMA_DOT_KERNELS:
-        why = "known: Focus soft's fp32 gate products (issue 47 item 2: unrolled FMAs over the exact K)"
+        why = "known: a dot lowered to FMA (measured)"
         request.applymarker(pytest.mark.xfail(strict=True, reason=why))
     c = compile_spec(spec)
     fma = [lowering for lowering, _ in dots(c.ttgir) if lowering == "fma"]

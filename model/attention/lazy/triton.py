@@ -365,8 +365,8 @@ def _kernels() -> dict[str, Any]:
 # padded head dim -> kernel -> candidates, best first, per target family: the first has 0 spill bytes (compiled for
 # sm_90, sm_80 and sm_86 without a GPU: tests/attention/test_triton_targets.py; the defaults of every target in
 # docs/triton-targets.md, the sweep in docs/benchmarks.md "Lazy Triton kernels"); the second asks for less shared
-# memory. sm_86-89 take sm_80's rows (every candidate fits their 99 KB per block, compiled for sm_86); sm_100+
-# sm_90's, then sm_86's (``sm100_rows``).
+# memory. sm_86-89 take sm_80's rows but one (every candidate fits their 99 KB per block, compiled for sm_86);
+# sm_100+ sm_90's, then sm_86's (``sm100_rows``).
 _SM90: dict[int, dict[str, tuple[TileConfig, ...]]] = {
     128: {
         "_fwd_kernel": (TileConfig(128, 32, 8, 2), TileConfig(64, 32, 4, 2)),
@@ -391,7 +391,11 @@ _SM80: dict[int, dict[str, tuple[TileConfig, ...]]] = {
         "_dkv_kernel": (TileConfig(64, 32, 8, 2), TileConfig(64, 32, 4, 2)),
     },
 }
-_TILES = {"sm_80": _SM80, "sm_86-89": _SM80, "sm_90": _SM90, "sm_100+": sm100_rows(_SM90, _SM80)}
+# sm_86's ptxas spills 12 B in dq's 128 x 32 tiles at head dim 128 (sm_80's: 0); 128 x 16 keeps 128 rows and 2 stages
+# at 0 (78,848 B), 64 x 32 with 8 warps asks for less (53,760 B; 0)
+_SM86 = {bd: {**row, "_dq_kernel": (TileConfig(128, 16, 8, 2), TileConfig(64, 32, 8, 2))} if bd == 128 else row
+         for bd, row in _SM80.items()}  # fmt: skip
+_TILES = {"sm_80": _SM80, "sm_86-89": _SM86, "sm_90": _SM90, "sm_100+": sm100_rows(_SM90, _SM86)}
 # float32 / float64 inputs: every kernel at 32 x 32 fits 70 KB at head dim 128 (they spill: a correctness path, not
 # a fast one)
 _WIDE_TILES = TileConfig(32, 32, 4, 2)
