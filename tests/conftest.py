@@ -32,6 +32,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
         "--long-context", action="store_true", help="also run tests marked long_context (minutes each on 2 cores)"
     )
+    parser.addoption(
+        "--triton-targets",
+        action="store_true",
+        help="also run tests marked triton_targets (every kernel configuration compiled for sm_80 / sm_86 / sm_90)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -40,6 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "cuda: needs a CUDA device; skipped without one (the only skip CI allows)")
     config.addinivalue_line(
         "markers", "long_context: trains at T = 8192 for minutes; deselected (not skipped) unless --long-context"
+    )
+    config.addinivalue_line(
+        "markers",
+        "triton_targets: Triton kernels compiled for GPU targets past the CI tier; deselected unless --triton-targets",
     )
     # the test processes collect garbage as the programs they run do (0.5 s of full collections per process
     # otherwise, and 48 CPU-s in the two xdist workers together over the suite: issue 39)
@@ -68,13 +77,15 @@ def _share_cores_between_workers(config: pytest.Config) -> None:
 
 def _deselect_long_context(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``long_context`` are deselected unless ``--long-context`` is given: they outlast the suite's
-    time budget, and a deselection is not a skip (which CI would fail)."""
-    if config.getoption("--long-context"):
-        return
-    dropped = [item for item in items if item.get_closest_marker("long_context") is not None]
-    if dropped:
-        config.hook.pytest_deselected(items=dropped)
-        items[:] = [item for item in items if item.get_closest_marker("long_context") is None]
+    time budget, and a deselection is not a skip (which CI would fail). ``triton_targets`` likewise, unless
+    ``--triton-targets`` (tests/attention/test_triton_targets.py's compilations beyond the CI tier)."""
+    for marker, option in (("long_context", "--long-context"), ("triton_targets", "--triton-targets")):
+        if config.getoption(option):
+            continue
+        dropped = [item for item in items if item.get_closest_marker(marker) is not None]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+            items[:] = [item for item in items if item.get_closest_marker(marker) is None]
 
 
 # Modules that share a session-scoped run (tests/pretrain/conftest.py's engine runs) go to one pytest-xdist worker.
@@ -104,6 +115,7 @@ MEASURED_SECONDS = {
     "tests/interop/test_hf.py": 44,
     "tests/e2e/test_cp_memory.py": 43,
     "tests/e2e/test_fresh_install.py": 36,
+    "tests/attention/test_triton_targets.py": 64,  # 72 compilations: 64 s alone (2026-11-28), not a CI-command run
 }
 
 

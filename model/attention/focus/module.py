@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
 from model.attention.common.flex import cached_structure, flex_supports, gpu_paths_active
-from model.attention.common.triton import interpreting
+from model.attention.common.triton import interpreting, triton_fits
 from model.attention.focus import naive
 from model.attention.focus.config import FocusConfig, lambda_at
 from model.attention.focus.hard import decode_host as host_decode
@@ -330,7 +330,10 @@ class FocusAttention(Attention):
         tensors under ``gpu_paths_forced`` trace the FlexAttention path, as the compile tests do)."""
         if self.soft_kernel == "flex" or q.dtype not in soft_triton.kernel_dtypes() or not soft_triton.available():
             return False
-        return q.is_cuda or (gpu_paths_active(q) and q.device.type == "cpu" and soft_triton.interpreting())
+        if q.is_cuda:  # where no tiles fit the device at this head dim: FlexAttention, one warning (common/triton.py)
+            configs, kernels = soft_triton.tile_configs, soft_triton._LAUNCHED
+            return triton_fits(configs, kernels, q.device, q.shape[-1], q.dtype, "focus soft", "FlexAttention")
+        return gpu_paths_active(q) and q.device.type == "cpu" and interpreting()
 
     def _soft_takes_triton(self, q: Tensor) -> bool:
         """The soft call's kernel: Triton where it runs (``soft_triton_supports``), except a short query chunk of

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from model.attention.common import reference as ref
 from model.attention.common.base import Attention, AttnOut, KVCache, LayerSpec
 from model.attention.common.flex import flex_supports
+from model.attention.common.triton import triton_fits
 from model.attention.lazy import naive
 from model.attention.lazy import triton as lazy_triton
 from model.attention.lazy.config import LazyConfig, alibi_slopes
@@ -84,8 +85,13 @@ class LazyAttention(Attention):
 
     @staticmethod
     def triton_supports(q: Tensor) -> bool:
-        """CUDA tensors where triton imports (``triton.py``); CPU tensors never, also under ``gpu_paths_forced``."""
-        return q.is_cuda and q.dtype in kernel_dtypes() and lazy_triton.available()
+        """CUDA tensors where triton imports (``triton.py``) and its kernels have tiles that fit the device at this
+        head dim (else FlexAttention, with one warning: ``common/triton.py``); CPU tensors never, also under
+        ``gpu_paths_forced``."""
+        if not (q.is_cuda and q.dtype in kernel_dtypes() and lazy_triton.available()):
+            return False
+        kernels = lazy_triton._LAUNCHED
+        return triton_fits(lazy_triton.tile_configs, kernels, q.device, q.shape[-1], q.dtype, "lazy", "FlexAttention")
 
     @staticmethod
     def blockwise_supports(q: Tensor) -> bool:

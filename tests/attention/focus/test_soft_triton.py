@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from model.attention import LayerSpec, build_attention
+from model.attention.common import triton as common
 from model.attention.common.flex import gpu_paths_forced
 from model.attention.focus import FocusConfig, naive
 from model.attention.focus.soft import triton as soft_triton
@@ -106,17 +107,22 @@ CASES = {
 }
 
 
+# (block_m query rows, block_n keys): tile shapes move the causal and window masks and the ragged edges across tiles
+TILES = {"16x16": (16, 16), "32x16": (32, 16), "16x32": (16, 32)}
+
+
 @interpreted
+@pytest.mark.parametrize("tiles", TILES)
 @pytest.mark.parametrize("case", CASES)
-def test_matches_float64_reference(case):
+def test_matches_float64_reference(case, tiles):
     gate, b, h, hk, tq, tk, d, k_groups, lam, window = CASES[case]
     inputs, w = make(b, h, hk, tq, tk, d, k_groups, lam)
     opts = dict(window=window, scale=1.0 / math.sqrt(d), gate=gate)
-    got = values_and_grads(lambda *x: soft_triton.triton_soft_attention(*x, **opts, block=16), inputs, w)
+    got = values_and_grads(lambda *x: soft_triton.triton_soft_attention(*x, **opts, tiles=TILES[tiles]), inputs, w)
     want = values_and_grads(lambda *x: reference(*x, **opts), inputs, w)
     for name, a, e in zip(NAMES, got, want):
         assert a.shape == e.shape, name
-        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{case} {name}: {m}")
+        torch.testing.assert_close(a, e, rtol=1e-10, atol=1e-10, msg=lambda m, name=name: f"{case} {tiles} {name}: {m}")
 
 
 @interpreted
@@ -217,6 +223,28 @@ def test_compiled_block_traces_the_op_and_keeps_its_output(monkeypatch):
 
 
 @parent
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (9, 0), (10, 0)])
+def test_tile_configs_per_target(capability):
+    """Every kernel has a non-empty preference list per target family whose tiles the kernels accept (powers of two,
+    at least 16: ``tl.dot``'s minimum); the defaults take 128-row query tiles in the forward and dq kernels;
+    float32 inputs start at the smaller fallbacks; the interpreter takes small tiles."""
+    for kernel in soft_triton._LAUNCHED:
+        for bd in (64, 128):
+            configs = soft_triton.tile_configs(kernel, capability, bd, torch.bfloat16)
+            assert configs and len(set(configs)) == len(configs)
+            for c in configs:
+                for n in (c.block_m, c.block_n):
+                    assert n >= 16 and n & (n - 1) == 0, c
+                assert c.num_warps in (4, 8) and c.num_stages >= 1
+            first = configs[0]
+            assert kernel == "_dkv_kernel" or first.block_m == 128
+            fp32 = soft_triton.tile_configs(kernel, capability, bd, torch.float32)
+            assert fp32 and first not in fp32
+    interp = soft_triton.tile_configs("_dq_kernel", None, 128, torch.float64)
+    assert interp == [common.INTERPRETER_TILES]
+
+
+@parent
 def test_backward_has_no_atomics():
     """The gate's gradients are tile products written once per row (d a_q in the dq pass, d a_k in the dk/dv pass)."""
     source = inspect.getsource(soft_triton)
@@ -259,8 +287,8 @@ class _Cuda(torch.Tensor):
 @pytest.mark.parametrize("gate", ["additive", "multiplicative"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_cuda_compiled_kernels_match_reference(dtype, gate):
-    """On a GPU (compiled kernels, BLOCK = 64): a ragged length, GQA, K = 8, against the float64 reference of the
-    same inputs."""
+    """On a GPU (compiled kernels, the default tiles of ``tile_configs``): a ragged length, GQA, K = 8, against the
+    float64 reference of the same inputs."""
     tol = {torch.float32: 2e-4, torch.bfloat16: 3e-2}[dtype]
     inputs, w = make(2, 8, 2, 1000, 1000, 128, 8, 4.0)
     inputs, w = [x.cuda() for x in inputs], w.cuda()
