@@ -16,6 +16,27 @@ from tests.conftest import REPO
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def numpy_scalars():
+    """Triton 3.6's interpreter converts a scalar (a one-element array) to an int with ``int(array)``, which numpy 2.4
+    refuses (triton-lang/triton#9171, fixed after 3.6); a loop bound from ``program_id`` or an argument needs it: take
+    the element explicitly while a module that imports this fixture runs."""
+    if not INTERPRETED:
+        yield
+        return
+    from triton.runtime import interpreter as interp
+
+    original = interp._patch_lang_tensor
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
+        yield
+
+
 def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
     return test if INTERPRETED else None
 

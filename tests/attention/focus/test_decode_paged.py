@@ -29,8 +29,7 @@ from model.attention.focus.hard.decode_device import device_decode_step
 from model.attention.focus.hard.decode_pages import PAGE, build_pages, merge, token_groups, torch_partials
 from model.attention.focus.naive import membership_bits
 from tests.attention.focus.test_decode_device import SPEC, TOL, _decode, _module
-from tests.attention.interpreter import interpreted, parent, run_child
-from tests.attention.lazy.test_triton import numpy_scalars  # noqa: F401  (autouse: the interpreter's int(array))
+from tests.attention.interpreter import interpreted, numpy_scalars, parent, run_child  # noqa: F401  (autouse)
 from tests.attention.test_suite import random_inputs
 
 

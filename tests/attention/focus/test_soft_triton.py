@@ -15,10 +15,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
-import subprocess
-import sys
-from collections.abc import Callable
 
 import pytest
 import torch
@@ -28,44 +24,21 @@ from model.attention.common import triton as common
 from model.attention.common.flex import gpu_paths_forced
 from model.attention.focus import FocusConfig, naive
 from model.attention.focus.soft import triton as soft_triton
-from tests.attention.lazy.test_triton import numpy_scalars  # noqa: F401  (autouse: the interpreter's int(array))
+from tests.attention.interpreter import interpreted, numpy_scalars, parent, run_child  # noqa: F401  (autouse)
 from tests.attention.test_suite import random_inputs
-from tests.conftest import REPO
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
-    """A test of the child pytest only (a module attribute of None is not collected: no skip in the parent)."""
-    return test if INTERPRETED else None
-
-
-def parent(test: Callable[..., None]) -> Callable[..., None] | None:
-    """A test of the parent pytest only (it needs no interpreter)."""
-    return None if INTERPRETED else test
-
-
-def run_child(marker: str) -> None:
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", "-m", marker, __file__]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    last = result.stdout.splitlines()[-1]
-    assert " passed" in last and " skipped" not in last, result.stdout[-5000:]
 
 
 @parent
 def test_kernels_under_the_interpreter():
     """This file's fast interpreted tests, in a child pytest with ``TRITON_INTERPRET=1`` set before triton loads."""
-    run_child("not slow")
+    run_child(__file__, "not slow")
 
 
 @parent
 @pytest.mark.slow  # dynamo + AOT traces, interpreted: about 40 s on 2 cores
 def test_compiled_block_under_the_interpreter():
     """This file's slow interpreted tests (the op and the whole block under torch.compile)."""
-    run_child("slow")
+    run_child(__file__, "slow")
 
 
 def make(b, h, hk, tq, tk, d, k_groups, lam, seed=0):

@@ -13,10 +13,8 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 import subprocess
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -27,51 +25,14 @@ from model.attention.common import triton as common
 from model.attention.common.flex import gpu_paths_forced
 from model.attention.lazy import LazyConfig, naive
 from model.attention.lazy import triton as lazy_triton
+from tests.attention.interpreter import interpreted, numpy_scalars, parent, run_child  # noqa: F401  (autouse)
 from tests.conftest import REPO
-
-INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def numpy_scalars():
-    """Triton 3.6's interpreter converts a scalar (a one-element array) to an int with ``int(array)``, which numpy 2.4
-    refuses (triton-lang/triton#9171, fixed after 3.6); a loop bound from ``program_id`` or an argument needs it: take
-    the element explicitly while this module runs."""
-    if not INTERPRETED:
-        yield
-        return
-    from triton.runtime import interpreter as interp
-
-    original = interp._patch_lang_tensor
-
-    def patch_lang_tensor(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(interp, "_patch_lang_tensor", patch_lang_tensor)
-        yield
-
-
-def interpreted(test: Callable[..., None]) -> Callable[..., None] | None:
-    """A test of the child pytest only (a module attribute of None is not collected: no skip in the parent)."""
-    return test if INTERPRETED else None
-
-
-def parent(test: Callable[..., None]) -> Callable[..., None] | None:
-    """A test of the parent pytest only (it needs no interpreter)."""
-    return None if INTERPRETED else test
 
 
 @parent
 def test_kernels_under_the_interpreter():
     """This file's interpreted tests, in a child pytest with ``TRITON_INTERPRET=1`` set before triton is imported."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", __file__]
-    result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-20000:] + result.stderr[-5000:]
-    assert " skipped" not in result.stdout.splitlines()[-1], result.stdout[-5000:]
+    run_child(__file__, timeout=600)
 
 
 def make(b, h, hk, tq, tk, d, table, taus, dtype=torch.float64, seed=0):
