@@ -146,8 +146,8 @@ def test_focus_tau_divides_the_group_scores(assignment, impl):
     centroids by 1 / tau, so Focus at tau = 0.1 must equal Focus at tau = 1 with centroids x 10,
     and must differ from Focus at tau = 1 with the same centroids.
 
-    Mutation caught: dropping the division in ``FocusAttention.group_scores``
-    (``(...) @ self.centroids.to(dtype).T) / self.cfg.tau`` -> without ``/ self.cfg.tau``); tau then
+    Mutation caught: dropping the division in ``centroid_scores`` (what ``FocusAttention.group_scores`` calls:
+    ``(...) @ centroids.to(dtype).T) / tau`` -> without ``/ tau``); tau then
     has no effect and the rescaled-centroid twin no longer matches.
     """
     at_tau = _focus_out(_focus(0.1, assignment, impl=impl)).output

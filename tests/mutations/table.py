@@ -168,7 +168,12 @@ MUTATIONS: tuple[Mutation, ...] = (
     Mutation(
         "focus-tau-multiplies",
         "model/attention/focus/module.py",
-        (("@ self.centroids.to(dtype).T) / self.cfg.tau", "@ self.centroids.to(dtype).T) * self.cfg.tau"),),
+        (
+            (
+                "return (projected.to(dtype) @ centroids.to(dtype).T) / tau",
+                "return (projected.to(dtype) @ centroids.to(dtype).T) * tau",
+            ),
+        ),
         "focus: group scores multiplied by tau instead of divided (eq. 2)",
         FOCUS,
         "tests/attention/focus/test_hard.py::test_module_prefill_chunks_and_decode_equal_full_forward[1]",
