@@ -17,7 +17,7 @@ from torch import Tensor
 
 from model.attention.common import reference as ref
 from model.attention.common.base import AttnOut, CPGather, KVCache, LayerSpec, SuiteCase
-from model.attention.common.flex import MAX_CACHED_BLOCK_MASKS, flex_supports
+from model.attention.common.flex import cached_structure, flex_supports
 from model.attention.dga import flex, naive
 from model.attention.dga.cached import GroupedKVCache
 from model.attention.dga.compressed import Compressed, pad_positions, sample_offsets
@@ -45,9 +45,6 @@ class DGAStep:
     offsets: Tensor
     masks: flex.CausalMasks | None
 
-
-# built once per (length, options, device) and kept: nothing in them depends on a layer or a batch
-_STEPS: dict[tuple[Any, ...], DGAStep] = {}
 
 IMPORTANCE_ELEMENTS = 1 << 18  # scores of the sampled queries computed at once (1 MiB in float32)
 
@@ -98,20 +95,18 @@ class DynamicGroupAttention(GroupedKVCache):
         if self.cfg.selection != "causal":
             return None
         flex_path = flex_supports(torch.empty(0, self.spec.head_dim, device=device))
-        key = (seq_len, str(device), flex_path, *vars(self.cfg).values())
-        st = None if torch.compiler.is_compiling() else _STEPS.get(key)
-        if st is None:
-            starts, offsets = self._causal_units(0, self._needed_chunks(seq_len - 1), device)
+        chunks = self._needed_chunks(seq_len - 1)
+
+        def build() -> DGAStep:
+            starts, offsets = self._causal_units(0, chunks, device)
             masks = None
             if flex_path:
                 n = starts.shape[0] * self._entries_per_chunk()
                 masks = flex.causal_masks(seq_len, n, self.cfg.chunk_size, self._entries_per_chunk(), device)
-            st = DGAStep(starts, offsets, masks)
-            if not torch.compiler.is_compiling():
-                if len(_STEPS) >= MAX_CACHED_BLOCK_MASKS:
-                    _STEPS.pop(next(iter(_STEPS)))
-                _STEPS[key] = st
-        return st
+            return DGAStep(starts, offsets, masks)
+
+        # nothing in it depends on a layer or a batch: kept per (length, options, device)
+        return cached_structure(("dga_step", seq_len, str(device), flex_path, *vars(self.cfg).values()), build)
 
     # ---- compression (shared by every path) ------------------------------------------
     def compress(

@@ -17,6 +17,7 @@ import torch.nn.attention.flex_attention as flex_module
 from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
 from torch._dynamo.backends.common import aot_autograd
 
+from model.attention.common import flex as flex_common
 from model.attention.common.flex import gpu_paths_forced
 from model.attention.dga import flex
 from model.attention.dga import module as dga_module
@@ -53,7 +54,7 @@ def test_block_masks_are_built_once_per_step_and_shape_not_per_layer(monkeypatch
         return call
 
     monkeypatch.setattr(flex, "flex_attention_fn", stand_in)
-    monkeypatch.setattr(dga_module, "_STEPS", {})
+    monkeypatch.setattr(flex_common, "_CACHE", {})
     builds, prepared = [], []
     real_build, real_prepare = flex.causal_masks, dga_module.DynamicGroupAttention.prepare_step
     monkeypatch.setattr(flex, "causal_masks", lambda *a, **kw: builds.append(a[0]) or real_build(*a, **kw))
