@@ -36,6 +36,8 @@ SCRIPT = textwrap.dedent(
     from core import torch_compat
     from torch.distributed import _functional_collectives as fc
     assert torch_compat.all_gather_single_autograd is fc.all_gather_tensor_autograd, "fallback not taken"
+    import contextlib
+    assert torch_compat.disable_redistribute_transform_optimization is contextlib.nullcontext, "fallback not taken"
     print(count, "modules")
     if failed:
         print("\\n".join(failed))

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from core.device import resolve_device
 from core.errors import ConfigError
 from core.files import plain_mode
+from core.torch_compat import disable_redistribute_transform_optimization
 from pretrain.checkpoint import MODEL_FILE, untie
 from pretrain.engines.base import Engine
 from pretrain.engines.float8 import plain_state, plain_tree, precompute_scales, uses_float8_all_gather
@@ -180,7 +181,6 @@ class DataParallelEngine(Engine):
     def write_state(self, directory: Path) -> None:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
-        from torch.distributed.tensor._redistribute import disable_redistribute_transform_optimization
 
         model_sd, optim_sd = get_state_dict(self.wrapped, self.optimizer)
         if self.cfg.float8 != "none":  # ordinary tensors in the shards, not torchao's float8 all-gather wrapper
