@@ -29,7 +29,7 @@ def test_a_trace_of_the_chosen_steps_is_written_and_names_the_models_ops(tmp_pat
     assert "profile: steps 2-3 traced under" in capsys.readouterr().out
 
 
-def test_no_profile_keys_no_profiler_and_no_folder(tmp_path):
+def test_no_profile_keys_no_profiler(tmp_path):
     cfg = config(tmp_path / "run", tmp_path / "cache", **{"train.max_steps": 2})
     assert not any(isinstance(c, Profiler) for c in default_callbacks(cfg, report=False))
 
