@@ -157,7 +157,7 @@ def _partials_op(
         q.stride(0), q.stride(1), *k_all.stride()[:3], *v_all.stride()[:3], bits_all.stride(0),
         index.stride(0), index.stride(1),
         scale, window, hkv, hq // hkv, dim, far.shape[1], top_k, splits, ns,
-        PAGE=PAGE, BG=padded(hq // hkv), BD=bd, COUNT=bool(ROWS_READ), PREC=precision(q), num_warps=4,
+        PAGE=PAGE, BG=padded(hq // hkv), BD=bd, COUNT=bool(ROWS_READ), PREC=precision(q), num_warps=4 if bd > 64 else 2,
     )  # fmt: skip
     return outs, lses
 
